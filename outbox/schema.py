@@ -1,0 +1,198 @@
+"""The outbox tables, their indexes, and the ``Status`` enum: the one place statuses are defined.
+
+The tables live on their own :data:`metadata` so they never mix with the host app's declarative
+base. Host apps create them through the bundled alembic migrations (see
+:mod:`outbox.migrations`), never through ``metadata.create_all`` in production.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
+
+__all__ = [
+    "CLAIMABLE",
+    "TERMINAL",
+    "AmbiguityPolicy",
+    "Status",
+    "UTCDateTime",
+    "attempts",
+    "messages",
+    "metadata",
+    "relays",
+    "utcnow",
+]
+
+
+class Status(enum.StrEnum):
+    """Where a message is in its life. See the state machine in the README."""
+
+    PENDING = "pending"  # enqueued, never attempted (or released/requeued)
+    RETRYING = "retrying"  # attempted, failed transiently, due again at next_attempt_at
+    PROCESSING = "processing"  # claimed by a relay under a lease
+    SENT = "sent"  # the provider accepted it
+    FAILED = "failed"  # permanent error or attempts exhausted
+    UNKNOWN_OUTCOME = "unknown_outcome"  # the send may or may not have happened; operator decides
+    CANCELLED = "cancelled"  # cancelled by an operator before it was sent
+    EXPIRED = "expired"  # expires_at passed before it could be sent
+
+
+class AmbiguityPolicy(enum.StrEnum):
+    """What the relay does when it cannot know whether a send reached the provider."""
+
+    HOLD = "hold"  # at most once: park as unknown_outcome for an operator
+    RESEND = "resend"  # at least once: retry; a duplicate is better than a loss
+
+
+CLAIMABLE = (Status.PENDING, Status.RETRYING)
+TERMINAL = (Status.SENT, Status.FAILED, Status.CANCELLED, Status.EXPIRED)
+
+
+def utcnow() -> datetime:
+    """The current time as an aware UTC datetime (the only kind the outbox stores)."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """A timestamp stored in UTC and always returned timezone-aware.
+
+    PostgreSQL stores ``timestamptz``; MySQL/MariaDB and SQLite have no time zones, so the value
+    is stored as naive UTC with microseconds and made aware again on load. Naive datetimes are
+    refused: their zone would be a guess.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> sa.types.TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(sa.DateTime(timezone=dialect.name == "postgresql"))
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"naive datetime {value!r}: outbox timestamps must be timezone-aware")
+        value = value.astimezone(UTC)
+        if dialect.name == "postgresql":
+            return value
+        return value.replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+_BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
+
+
+messages = sa.Table(
+    "outbox_messages",
+    metadata,
+    sa.Column("id", _BigId, sa.Identity(), primary_key=True),
+    sa.Column("idempotency_key", sa.String(255), nullable=False),
+    sa.Column("category", sa.String(64), nullable=False),
+    sa.Column("priority", sa.SmallInteger(), nullable=False, server_default="0"),
+    sa.Column("status", sa.String(20), nullable=False, server_default=Status.PENDING.value),
+    sa.Column("payload", sa.JSON(), nullable=False),
+    sa.Column("recipients", sa.Text(), nullable=False),
+    sa.Column("recipient_count", sa.SmallInteger(), nullable=False),
+    sa.Column("subject", sa.Text(), nullable=True),
+    sa.Column("attempt_count", sa.Integer(), nullable=False, server_default="0"),
+    sa.Column("max_attempts", sa.Integer(), nullable=False),
+    sa.Column("backoff_base", sa.Double(), nullable=False),
+    sa.Column("backoff_cap", sa.Double(), nullable=False),
+    sa.Column("ambiguity_policy", sa.String(10), nullable=False),
+    sa.Column("next_attempt_at", UTCDateTime(), nullable=False),
+    sa.Column("expires_at", UTCDateTime(), nullable=True),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Column("claim_token", sa.String(36), nullable=True),
+    sa.Column("claimed_by", sa.String(255), nullable=True),
+    sa.Column("claimed_at", UTCDateTime(), nullable=True),
+    sa.Column("lease_expires_at", UTCDateTime(), nullable=True),
+    sa.Column("send_started_at", UTCDateTime(), nullable=True),
+    sa.Column("last_attempt_at", UTCDateTime(), nullable=True),
+    sa.Column("sent_at", UTCDateTime(), nullable=True),
+    sa.Column("provider_message_id", sa.String(255), nullable=True),
+    sa.Column("last_error_code", sa.String(100), nullable=True),
+    sa.Column("last_error_message", sa.Text(), nullable=True),
+    sa.UniqueConstraint("idempotency_key"),
+    sa.CheckConstraint(_in("status", tuple(Status)), name="status"),
+    sa.CheckConstraint(_in("ambiguity_policy", tuple(AmbiguityPolicy)), name="ambiguity_policy"),
+)
+
+# The claim reads one status at a time (pending, then retrying) in send order, so it is an index
+# range scan on every backend; partial where the backend allows, so finished rows cost nothing.
+sa.Index(
+    "ix_outbox_messages_claim",
+    messages.c.status,
+    messages.c.priority,
+    messages.c.next_attempt_at,
+    messages.c.id,
+    postgresql_where=sa.text(_in("status", CLAIMABLE)),
+    sqlite_where=sa.text(_in("status", CLAIMABLE)),
+)
+# The sweep finds processing rows whose lease has run out.
+sa.Index(
+    "ix_outbox_messages_lease",
+    messages.c.status,
+    messages.c.lease_expires_at,
+    postgresql_where=sa.text("status = 'processing'"),
+    sqlite_where=sa.text("status = 'processing'"),
+)
+
+attempts = sa.Table(
+    "outbox_attempts",
+    metadata,
+    sa.Column("id", _BigId, sa.Identity(), primary_key=True),
+    sa.Column(
+        "message_id",
+        _BigId,
+        sa.ForeignKey("outbox_messages.id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    sa.Column("claim_token", sa.String(36), nullable=True),
+    sa.Column("relay_id", sa.String(255), nullable=True),
+    sa.Column("started_at", UTCDateTime(), nullable=True),
+    sa.Column("finished_at", UTCDateTime(), nullable=False),
+    sa.Column("outcome", sa.String(30), nullable=False),
+    sa.Column("error_code", sa.String(100), nullable=True),
+    sa.Column("error_message", sa.Text(), nullable=True),
+    sa.Column("provider_message_id", sa.String(255), nullable=True),
+)
+
+relays = sa.Table(
+    "outbox_relays",
+    metadata,
+    sa.Column("relay_id", sa.String(255), primary_key=True),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("pid", sa.Integer(), nullable=False),
+    sa.Column("started_at", UTCDateTime(), nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+)
