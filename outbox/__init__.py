@@ -1,0 +1,43 @@
+"""sqlalchemy-outbox: email written in your transaction, delivered after it commits."""
+
+from outbox.category import Category
+from outbox.enqueue import NOTIFY_CHANNEL, EnqueueResult
+from outbox.exceptions import (
+    ConfigurationError,
+    EnqueueError,
+    HeaderInjection,
+    InvalidAddress,
+    InvalidArgument,
+    InvalidEmail,
+    InvalidKey,
+    MessageTooLarge,
+    OutboxError,
+    RecipientCountError,
+    UnknownCategory,
+)
+from outbox.message import Attachment, Email
+from outbox.schema import AmbiguityPolicy, Status
+from outbox.session import Outbox
+
+__all__ = [
+    "NOTIFY_CHANNEL",
+    "AmbiguityPolicy",
+    "Attachment",
+    "Category",
+    "ConfigurationError",
+    "Email",
+    "EnqueueError",
+    "EnqueueResult",
+    "HeaderInjection",
+    "InvalidAddress",
+    "InvalidArgument",
+    "InvalidEmail",
+    "InvalidKey",
+    "MessageTooLarge",
+    "Outbox",
+    "OutboxError",
+    "RecipientCountError",
+    "Status",
+    "UnknownCategory",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,58 @@
+"""Delivery policy per category of mail, copied onto every row at enqueue time.
+
+A row carries its own max attempts, backoff and ambiguity policy, so the relay needs no copy of
+the app's configuration and a policy change applies to new mail only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from outbox.exceptions import ConfigurationError
+from outbox.schema import AmbiguityPolicy
+
+__all__ = ["DEFAULT_CATEGORIES", "Category"]
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Category:
+    """How mail of one category is retried.
+
+    ``ambiguity`` decides what happens when a send may or may not have reached the provider:
+    ``hold`` (the default) parks it as ``unknown_outcome`` for an operator, so nothing is ever
+    sent twice automatically; ``resend`` retries it, for mail where a duplicate is harmless
+    and a loss is not.
+    """
+
+    name: str
+    max_attempts: int = 10
+    backoff_base: float = 2.0  # seconds; the first retry waits up to this long
+    backoff_cap: float = 900.0  # seconds; no retry waits longer
+    ambiguity: AmbiguityPolicy = AmbiguityPolicy.HOLD
+
+    def __post_init__(self) -> None:
+        where = f"categories[{self.name!r}]"
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ConfigurationError(
+                "categories.name", f"{self.name!r} must be 1-64 of A-Z a-z 0-9 _ -"
+            )
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ConfigurationError(f"{where}.max_attempts", "must be an integer")
+        if not 1 <= self.max_attempts <= 1000:
+            raise ConfigurationError(f"{where}.max_attempts", "must be between 1 and 1000")
+        if not isinstance(self.backoff_base, int | float) or not self.backoff_base > 0:
+            raise ConfigurationError(f"{where}.backoff_base", "must be a positive number")
+        if not isinstance(self.backoff_cap, int | float) or self.backoff_cap < self.backoff_base:
+            raise ConfigurationError(f"{where}.backoff_cap", "must be at least backoff_base")
+        try:
+            object.__setattr__(self, "ambiguity", AmbiguityPolicy(self.ambiguity))
+        except ValueError:
+            raise ConfigurationError(
+                f"{where}.ambiguity", f"{self.ambiguity!r} is not one of: hold, resend"
+            ) from None
+
+
+DEFAULT_CATEGORIES = (Category(name="default"), Category(name="transactional"))
