@@ -1,0 +1,103 @@
+"""Enqueue through AsyncSession (aiosqlite, psycopg async, aiomysql) and the same hooks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
+
+from outbox import Email, HeaderInjection, InvalidKey, Outbox
+from outbox.schema import messages
+from outbox.sqlite import enable_savepoints
+from tests.conftest import Order, User
+
+
+def welcome(user: User) -> Email:
+    return Email(
+        sender="shop@example.com", to=[user.email], subject=f"Welcome {user.id}", text="Hello"
+    )
+
+
+def run(backend, scenario):
+    async def main():
+        engine = create_async_engine(backend.async_url)
+        enable_savepoints(engine)
+        try:
+            return await scenario(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+def keys(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(sa.select(messages.c.idempotency_key).order_by(messages.c.id)).scalars()
+        )
+
+
+def test_async_enqueue_commit_rollback_duplicate(backend):
+    ob = Outbox()
+
+    async def scenario(engine):
+        Sessions = async_sessionmaker(engine, expire_on_commit=False)
+        async with Sessions.begin() as session:
+            session.add(Order(id=1, customer="ada"))
+            first = await ob.enqueue_async(
+                session, welcome(User(id=1, email="a@example.com")), key="k1"
+            )
+            again = await ob.enqueue_async(
+                session, welcome(User(id=1, email="a@example.com")), key="k1"
+            )
+            session.add(Order(id=2, customer="ada"))
+        async with Sessions() as session:
+            session.add(Order(id=3, customer="bob"))
+            await ob.enqueue_async(session, welcome(User(id=3, email="b@example.com")), key="k3")
+            await session.rollback()
+        return first, again
+
+    first, again = run(backend, scenario)
+    assert (again.id, again.duplicate, first.duplicate) == (first.id, True, False)
+    assert keys(backend.engine) == ["k1"]
+    with backend.engine.connect() as conn:
+        assert conn.execute(sa.select(Order.id).order_by(Order.id)).scalars().all() == [1, 2]
+
+
+def test_async_rules_through_async_sessionmaker(backend):
+    ob = Outbox()
+    ob.on_insert(User, name="welcome")(welcome)
+
+    async def scenario(engine):
+        Sessions = async_sessionmaker(engine)
+        ob.install(Sessions)
+        async with Sessions.begin() as session:
+            session.add(User(id=7, email="g@example.com"))
+        try:
+            async with Sessions.begin() as session:
+                session.add(User(id=8, email="h@example.com"))
+                await session.flush()
+                raise RuntimeError("abort")
+        except RuntimeError:
+            pass
+
+    run(backend, scenario)
+    assert keys(backend.engine) == ["welcome:7"]
+
+
+def test_async_bad_input_keeps_the_session_usable(backend):
+    ob = Outbox()
+
+    async def scenario(engine):
+        async with AsyncSession(engine) as session, session.begin():
+            session.add(Order(id=1, customer="ada"))
+            with pytest.raises(InvalidKey, match="key"):
+                await ob.enqueue_async(session, welcome(User(id=1, email="a@example.com")), key="")
+            with pytest.raises(HeaderInjection):
+                Email(sender="shop@example.com", to=["a@example.com\n"], subject="x", text="y")
+            await ob.enqueue_async(session, welcome(User(id=1, email="a@example.com")), key="ok")
+
+    run(backend, scenario)
+    assert keys(backend.engine) == ["ok"]

@@ -1,0 +1,250 @@
+"""The bundled migrations on every backend: up, down, up again, no drift, host-app alembic."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from outbox import migrations
+from outbox.schema import metadata
+
+TABLES = {"outbox_messages", "outbox_attempts", "outbox_relays"}
+
+
+def outbox_tables(engine: sa.Engine) -> tuple[set[str], set[str]]:
+    inspector = sa.inspect(engine)
+    tables = set(inspector.get_table_names()) & TABLES
+    views = set(inspector.get_view_names()) & migrations.VIEWS
+    return tables, views
+
+
+def drift(engine: sa.Engine) -> list:
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(
+            conn,
+            opts={
+                "version_table": migrations.VERSION_TABLE,
+                "include_name": lambda name, type_, parent: type_ != "table" or name in TABLES,
+            },
+        )
+        return compare_metadata(ctx, metadata)
+
+
+def test_upgrade_downgrade_upgrade_and_no_drift(engine):
+    assert outbox_tables(engine) == (TABLES, set(migrations.VIEWS))
+    assert drift(engine) == []
+    migrations.downgrade(engine)
+    assert outbox_tables(engine) == (set(), set())
+    migrations.upgrade(engine)
+    assert outbox_tables(engine) == (TABLES, set(migrations.VIEWS))
+    assert drift(engine) == []
+    applied, heads = migrations.current_heads(engine)
+    assert applied == heads
+    with engine.connect() as conn:
+        for view in migrations.VIEWS:
+            assert conn.execute(sa.text(f"SELECT * FROM {view}")).fetchall() == []
+
+
+def test_status_check_constraint_refuses_unknown_status(engine):
+    from datetime import UTC, datetime
+
+    from outbox.schema import messages
+
+    now = datetime.now(UTC)
+    row = dict(
+        idempotency_key="k",
+        category="default",
+        priority=0,
+        status="bogus",
+        payload={},
+        recipients="a@example.com",
+        recipient_count=1,
+        subject="s",
+        attempt_count=0,
+        max_attempts=1,
+        backoff_base=1.0,
+        backoff_cap=1.0,
+        ambiguity_policy="hold",
+        next_attempt_at=now,
+        created_at=now,
+        updated_at=now,
+    )
+    # MariaDB reports a CHECK failure as error 4025, which PyMySQL maps to OperationalError.
+    with (
+        pytest.raises(sa.exc.DBAPIError, match="ck_outbox_messages_status"),
+        engine.begin() as conn,
+    ):
+        conn.execute(messages.insert(), row)
+    with engine.begin() as conn:
+        conn.execute(messages.insert(), {**row, "status": "pending"})
+
+
+HOST_ENV = """
+from alembic import context
+from sqlalchemy import create_engine, pool
+import sqlalchemy as sa
+
+from outbox.migrations import include_object
+
+target = sa.MetaData()
+sa.Table("host_widgets", target, sa.Column("id", sa.Integer, primary_key=True))
+
+def run():
+    engine = create_engine(context.config.get_main_option("sqlalchemy.url"),
+                           poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=target,
+                          include_object=include_object)
+        with context.begin_transaction():
+            context.run_migrations()
+
+run()
+"""
+
+HOST_REVISION = """
+from alembic import op
+import sqlalchemy as sa
+
+revision = "host_0001"
+down_revision = None
+branch_labels = ("host",)
+depends_on = None
+
+def upgrade():
+    op.create_table("host_widgets", sa.Column("id", sa.Integer, primary_key=True))
+
+def downgrade():
+    op.drop_table("host_widgets")
+"""
+
+
+@pytest.fixture
+def host_database(backend, tmp_path):
+    """A fresh, empty database next to the backend's test database."""
+    if backend.name == "sqlite":
+        yield f"sqlite:///{tmp_path / 'host.db'}"
+        return
+    url = sa.make_url(backend.url)
+    server = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    name = "outbox_host_test"
+    with server.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    yield url.set(database=name).render_as_string(hide_password=False)
+    with server.connect() as conn:
+        if backend.name == "postgresql":
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        else:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
+    server.dispose()
+
+
+def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):
+    """A host app adds our versions to version_locations and runs `alembic upgrade heads`."""
+    (tmp_path / "alembic" / "versions").mkdir(parents=True)
+    (tmp_path / "alembic" / "env.py").write_text(HOST_ENV)
+    (tmp_path / "alembic" / "versions" / "host_0001.py").write_text(HOST_REVISION)
+    (tmp_path / "alembic.ini").write_text(
+        textwrap.dedent(f"""\
+        [alembic]
+        script_location = %(here)s/alembic
+        path_separator = space
+        version_locations = %(here)s/alembic/versions {migrations.versions_dir()}
+        sqlalchemy.url = {host_database.replace("%", "%%")}
+        """)
+    )
+
+    def alembic(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "alembic", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout + done.stderr
+
+    assert "outbox_0001" in alembic("heads")
+    alembic("upgrade", "heads")
+    engine = sa.create_engine(host_database)
+    try:
+        assert outbox_tables(engine) == (TABLES, set(migrations.VIEWS))
+        assert "host_widgets" in sa.inspect(engine).get_table_names()
+        with engine.connect() as conn:
+            versions = {
+                r[0] for r in conn.exec_driver_sql("SELECT version_num FROM alembic_version")
+            }
+        assert versions == {"host_0001", "outbox_0001"}
+        # The host's autogenerate sees no drift: our objects are hidden from it.
+        assert "No new upgrade operations detected" in alembic("check")
+        alembic("downgrade", "outbox@base")
+        assert outbox_tables(engine) == (set(), set())
+        assert "host_widgets" in sa.inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+
+
+def test_wheel_ships_the_migrations(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("sqlalchemy_outbox-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "outbox/_migrations/env.py" in names
+    assert "outbox/_migrations/versions/0001_outbox_initial.py" in names
+    assert "outbox/py.typed" in names
+    assert "relay/py.typed" in names
+    assert not any(n.startswith(("tests/", "examples/")) for n in names)
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from alembic.util import coerce_resource_to_filename as c;"
+            "print(c('outbox:_migrations/versions'))",
+        ],
+        env={"PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert Path(probe.stdout.strip()) == target / "outbox" / "_migrations" / "versions"
