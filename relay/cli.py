@@ -3,18 +3,34 @@ environment variable (shown in ``--help``)."""
 
 from __future__ import annotations
 
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, TypeVar
+
 import click
 import sqlalchemy as sa
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
 from outbox import migrations
+from outbox.exceptions import ConfigurationError
+from relay import logs
+from relay.config import RelayConfig
+from relay.senders import Sender
+from relay.senders.console import ConsoleSender
+from relay.wakeup import Listener
+from relay.worker import Relay
 
 __all__ = ["main"]
 
 
 def _engine(url: str) -> sa.Engine:
     try:
-        return sa.create_engine(url, pool_pre_ping=True)
+        return sa.create_engine(url, pool_pre_ping=True, pool_recycle=1800)
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="'--database-url'") from None
 
@@ -61,3 +77,102 @@ def migrate(database_url: str, revision: str) -> None:
         engine.dispose()
     state = "up to date" if applied == heads else f"at {', '.join(sorted(applied)) or 'base'}"
     click.echo(f"outbox schema {state} on {safe_url} (revision {', '.join(sorted(applied))})")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _option(name: str, **kw: Any) -> Callable[[F], F]:
+    env = "OUTBOX_" + name.lstrip("-").replace("-", "_").upper()
+    return click.option(name, envvar=env, show_envvar=True, show_default=True, **kw)
+
+
+def build_sender(spec: str, config: RelayConfig) -> Sender:
+    """``console``, or ``package.module:factory`` for a sender of your own (called with no
+    arguments; configure it from the environment)."""
+    if spec == "console":
+        return ConsoleSender()
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(
+            "--sender", f"{spec!r}: expected console or package.module:factory"
+        )
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError("--sender", f"{spec!r} cannot be loaded: {exc}") from None
+    sender: Sender = factory()
+    return sender
+
+
+@main.command()
+@database_url
+@_option("--sender", default="console", help="console, or package.module:factory.")
+@_option("--concurrency", type=int, default=8, help="Sends in flight at once (threads).")
+@_option("--batch-size", type=int, default=50, help="Most messages claimed per statement.")
+@_option("--lease-seconds", type=float, default=120.0, help="How long a claim is held.")
+@_option("--send-timeout", type=float, default=20.0, help="Longest a provider call may take.")
+@_option("--poll-interval", type=float, default=1.0, help="Seconds between polls when idle.")
+@_option(
+    "--max-send-rate",
+    type=float,
+    default=None,
+    help="Recipients per second, over any one-second window (default: no limit).",
+)
+@_option(
+    "--drain-seconds",
+    type=float,
+    default=45.0,
+    help="On SIGTERM, how long sends in flight get to finish.",
+)
+@_option("--exit-when-idle", is_flag=True, help="Drain what is due, then exit 0.")
+@_option(
+    "--relay-id", default=None, help="Name in outbox_relays and logs [default: host-pid-xxxx]."
+)
+@_option(
+    "--log-level",
+    default="INFO",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+def run(**options: Any) -> None:
+    """Deliver committed outbox messages until stopped (SIGTERM/SIGINT drain it).
+
+    A second signal exits at once; leases of sends then in flight expire normally.
+    """
+    logs.configure(options.pop("log_level"))
+    if options["relay_id"] is None:
+        options.pop("relay_id")
+    try:
+        config = RelayConfig(**options)
+        sender = build_sender(config.sender, config)
+    except ConfigurationError as exc:
+        raise click.UsageError(str(exc)) from None
+    engine = _engine(config.database_url)
+    relay = Relay(engine=engine, sender=sender, config=config)
+    listener = Listener.for_engine(engine, relay.wake)
+    signals_seen = 0
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            logging.getLogger("relay").warning(
+                "second signal: exiting now", extra={"action": "killed"}
+            )
+            os._exit(1)
+        relay.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if listener is not None:
+        listener.start()
+    try:
+        relay.run()
+    finally:
+        if listener is not None:
+            listener.stop()
+        engine.dispose()
+    if relay.in_flight:  # drain deadline passed: do not wait on the sends' threads
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)

@@ -1,0 +1,92 @@
+"""The relay's settings, checked before it starts: a bad value names its flag and stops it."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+from sqlalchemy.exc import ArgumentError
+
+from outbox.exceptions import ConfigurationError
+
+__all__ = ["RelayConfig", "default_relay_id"]
+
+
+def default_relay_id() -> str:
+    """``host-pid-xxxx``: unique per process, readable in ``outbox_relays`` and logs."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RelayConfig:
+    """Settings of one relay process; see ``outbox-relay run --help`` for each."""
+
+    database_url: str
+    sender: str = "console"
+    concurrency: int = 8
+    batch_size: int = 50
+    lease_seconds: float = 120.0
+    send_timeout: float = 20.0
+    poll_interval: float = 1.0
+    max_send_rate: float | None = None
+    drain_seconds: float = 45.0
+    exit_when_idle: bool = False
+    relay_id: str = field(default_factory=default_relay_id)
+
+    def __post_init__(self) -> None:
+        try:
+            url = sa.make_url(self.database_url)
+        except (ArgumentError, ValueError):
+            raise ConfigurationError(
+                "--database-url", f"{self.database_url!r} is not a database URL"
+            ) from None
+        if url.get_backend_name() not in ("postgresql", "mysql", "mariadb", "sqlite"):
+            raise ConfigurationError(
+                "--database-url", f"unsupported database {url.get_backend_name()!r}"
+            )
+        _int("--concurrency", self.concurrency, 1, 1000)
+        _int("--batch-size", self.batch_size, 1, 10_000)
+        _positive("--lease-seconds", self.lease_seconds)
+        _positive("--send-timeout", self.send_timeout)
+        _positive("--poll-interval", self.poll_interval)
+        if self.max_send_rate is not None:
+            _positive("--max-send-rate", self.max_send_rate)
+        if not (isinstance(self.drain_seconds, int | float) and self.drain_seconds >= 0):
+            raise ConfigurationError("--drain-seconds", "must be zero or a positive number")
+        if self.lease_seconds <= 2 * self.send_timeout:
+            raise ConfigurationError(
+                "--lease-seconds",
+                f"must be more than twice --send-timeout ({self.send_timeout:g}s), so a lease "
+                "never runs out while a send may still be in flight",
+            )
+        if self.drain_seconds < self.send_timeout:
+            raise ConfigurationError(
+                "--drain-seconds",
+                f"must be at least --send-timeout ({self.send_timeout:g}s), so a deploy lets "
+                "every send in flight finish",
+            )
+        if not self.relay_id or len(self.relay_id) > 255:
+            raise ConfigurationError("--relay-id", "must be 1 to 255 characters")
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return min(10.0, self.lease_seconds / 4)
+
+
+def _int(setting: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigurationError(setting, f"must be an integer from {low} to {high}")
+
+
+def _positive(setting: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigurationError(setting, "must be a positive number")

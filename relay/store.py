@@ -1,0 +1,549 @@
+"""Every SQL statement of the relay, each a function named by intent.
+
+The rules that keep the relay safe live here:
+
+* Every transition is **one conditional UPDATE** whose WHERE names the state it expects, and
+  for a claimed row its id and ``claim_token``. Zero rows affected means another relay (or the
+  sweep) moved the row first; the caller logs it and moves on. Nothing is load-mutate-saved.
+* No function holds a transaction across a provider call: the caller opens a short
+  transaction (``engine.begin()``) around each function, never around a send.
+* MySQL/MariaDB report *matched* rows (``CLIENT_FOUND_ROWS``), so a guarded UPDATE's rowcount
+  is reliable there too; MariaDB has no ``UPDATE ... RETURNING``, so the claim reads its rows
+  back by claim token.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox.schema import AmbiguityPolicy, Status, attempts, messages, relays
+from relay.policy import MessageState
+
+__all__ = [
+    "AttemptRecord",
+    "Claim",
+    "Expired",
+    "cancel",
+    "claim_batch",
+    "expire",
+    "extend_lease",
+    "fail",
+    "finalize_sent",
+    "heartbeat",
+    "hold_unknown",
+    "mark_send_started",
+    "record_attempts",
+    "register",
+    "release",
+    "release_unstarted",
+    "requeue",
+    "schedule_retry",
+    "stop",
+    "sweep_candidates",
+]
+
+m = messages
+_CLAIM_COLUMNS = (
+    m.c.id,
+    m.c.idempotency_key,
+    m.c.category,
+    m.c.priority,
+    m.c.status,
+    m.c.payload,
+    m.c.recipient_count,
+    m.c.claim_token,
+    m.c.attempt_count,
+    m.c.max_attempts,
+    m.c.backoff_base,
+    m.c.backoff_cap,
+    m.c.ambiguity_policy,
+    m.c.lease_expires_at,
+)
+_NO_CLAIM = {"claim_token": None, "lease_expires_at": None}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Claim:
+    """A message this relay holds under a lease, identified by (id, claim_token)."""
+
+    id: int
+    key: str
+    category: str
+    priority: int
+    payload: Any
+    recipient_count: int
+    claim_token: str
+    attempt_count: int
+    max_attempts: int
+    backoff_base: float
+    backoff_cap: float
+    ambiguity_policy: AmbiguityPolicy
+    lease_expires_at: datetime
+
+    @property
+    def state(self) -> MessageState:
+        return MessageState(
+            attempt_count=self.attempt_count,
+            max_attempts=self.max_attempts,
+            backoff_base=self.backoff_base,
+            backoff_cap=self.backoff_cap,
+            ambiguity_policy=self.ambiguity_policy,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expired:
+    """A due message the claim found past its ``expires_at``: moved to expired, never sent."""
+
+    id: int
+    key: str
+    category: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttemptRecord:
+    """One row of ``outbox_attempts``: what one provider call (or sweep) found."""
+
+    message_id: int
+    claim_token: str | None
+    relay_id: str | None
+    started_at: datetime | None
+    finished_at: datetime
+    outcome: str
+    error_code: str | None = None
+    error_message: str | None = None
+    provider_message_id: str | None = None
+
+
+# -- claim -------------------------------------------------------------------------------
+
+
+def _due(status: Status, now: datetime, limit: int) -> sa.Subquery:
+    return (
+        sa.select(m.c.id, m.c.priority, m.c.next_attempt_at)
+        .where(m.c.status == status.value, m.c.next_attempt_at <= now)
+        .order_by(m.c.priority, m.c.next_attempt_at, m.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .subquery()
+    )
+
+
+def claim_batch(
+    conn: sa.Connection, *, relay_id: str, limit: int, now: datetime, lease_seconds: float
+) -> tuple[list[Claim], list[Expired]]:
+    """claim_batch -- Take up to ``limit`` due messages under a fresh claim token and lease.
+
+    Due means pending or retrying with ``next_attempt_at`` passed, in (priority,
+    next_attempt_at, id) order. Each status is read as its own range of the claim index, with
+    ``FOR UPDATE SKIP LOCKED`` on PostgreSQL and MySQL/MariaDB, so replicas never wait on each
+    other and never take the same row. Rows found past ``expires_at`` move to ``expired``
+    in the same statement and are returned separately: they are never sent. The token is
+    one per claim: rows are identified by (id, claim_token).
+    """
+    token = str(uuid.uuid4())
+    pending, retrying = _due(Status.PENDING, now, limit), _due(Status.RETRYING, now, limit)
+    merged = sa.union_all(sa.select(pending), sa.select(retrying)).subquery()
+    pick = sa.select(merged.c.id).order_by(merged.c.priority, merged.c.next_attempt_at, merged.c.id)
+    picked = pick.limit(limit)
+    if conn.dialect.name in ("mysql", "mariadb"):
+        # Lock the picked rows first: an UPDATE with an IN (subquery) is not planned as a
+        # range read of the claim index there.
+        ids = list(conn.execute(picked).scalars())
+        if not ids:
+            return [], []
+        chosen: sa.ColumnElement[bool] = m.c.id.in_(ids)
+    else:
+        chosen = m.c.id.in_(sa.select(picked.subquery().c.id))
+    expired = sa.and_(m.c.expires_at.is_not(None), m.c.expires_at <= now)
+    stmt = (
+        sa.update(m)
+        .where(chosen)
+        .values(
+            status=sa.case((expired, Status.EXPIRED.value), else_=Status.PROCESSING.value),
+            claim_token=token,
+            claimed_by=sa.case((expired, m.c.claimed_by), else_=relay_id),
+            claimed_at=sa.case((expired, m.c.claimed_at), else_=now),
+            lease_expires_at=sa.case((expired, None), else_=now + timedelta(seconds=lease_seconds)),
+            send_started_at=None,
+            updated_at=now,
+        )
+    )
+    if conn.dialect.update_returning:
+        rows = conn.execute(stmt.returning(*_CLAIM_COLUMNS)).all()
+    else:
+        conn.execute(stmt)
+        rows = conn.execute(sa.select(*_CLAIM_COLUMNS).where(m.c.claim_token == token)).all()
+    claims, gone = [], []
+    for row in rows:
+        if row.status == Status.EXPIRED.value:
+            gone.append(Expired(id=row.id, key=row.idempotency_key, category=row.category))
+            continue
+        claims.append(
+            Claim(
+                id=row.id,
+                key=row.idempotency_key,
+                category=row.category,
+                priority=row.priority,
+                payload=row.payload,
+                recipient_count=row.recipient_count,
+                claim_token=token,
+                attempt_count=row.attempt_count,
+                max_attempts=row.max_attempts,
+                backoff_base=row.backoff_base,
+                backoff_cap=row.backoff_cap,
+                ambiguity_policy=AmbiguityPolicy(row.ambiguity_policy),
+                lease_expires_at=row.lease_expires_at,
+            )
+        )
+    claims.sort(key=lambda c: (c.priority, c.id))
+    return claims, gone
+
+
+def mark_send_started(
+    conn: sa.Connection, *, ids: Sequence[int], claim_token: str, now: datetime
+) -> set[int]:
+    """mark_send_started -- Stamp ``send_started_at`` on a wave of claimed rows, in one statement.
+
+    Only rows stamped here may be sent: a lease that expires while ``send_started_at`` is
+    NULL is provably unsent, and the sweep returns it without consuming an attempt. Returns
+    the ids stamped (all of them, unless a lease was already lost).
+    """
+    if not ids:
+        return set()
+    guard = sa.and_(
+        m.c.id.in_(ids), m.c.claim_token == claim_token, m.c.status == Status.PROCESSING.value
+    )
+    result = conn.execute(sa.update(m).where(guard).values(send_started_at=now))
+    if result.rowcount == len(ids):
+        return set(ids)
+    marked = sa.select(m.c.id).where(guard, m.c.send_started_at == now)
+    return set(conn.execute(marked).scalars())
+
+
+def extend_lease(
+    conn: sa.Connection, *, ids: Sequence[int], claim_token: str, until: datetime
+) -> set[int]:
+    """extend_lease -- Push out the lease of rows still being sent; returns the ids kept."""
+    if not ids:
+        return set()
+    guard = sa.and_(
+        m.c.id.in_(ids), m.c.claim_token == claim_token, m.c.status == Status.PROCESSING.value
+    )
+    result = conn.execute(sa.update(m).where(guard).values(lease_expires_at=until))
+    if result.rowcount == len(ids):
+        return set(ids)
+    kept = sa.select(m.c.id).where(guard, m.c.lease_expires_at == until)
+    return set(conn.execute(kept).scalars())
+
+
+# -- finalize: one guarded UPDATE per row, each returning whether it applied -----------------
+
+
+def _claimed(
+    message_id: int, claim_token: str, expired_before: datetime | None
+) -> sa.ColumnElement[bool]:
+    guard = sa.and_(
+        m.c.id == message_id,
+        m.c.claim_token == claim_token,
+        m.c.status == Status.PROCESSING.value,
+    )
+    if expired_before is not None:
+        guard = sa.and_(guard, m.c.lease_expires_at < expired_before)
+    return guard
+
+
+def _transition(
+    conn: sa.Connection,
+    message_id: int,
+    claim_token: str,
+    values: dict[str, Any],
+    expired_before: datetime | None,
+) -> bool:
+    stmt = sa.update(m).where(_claimed(message_id, claim_token, expired_before)).values(**values)
+    return conn.execute(stmt).rowcount == 1
+
+
+def _attempted(now: datetime, code: str | None, message: str | None) -> dict[str, Any]:
+    return {
+        **_NO_CLAIM,
+        "attempt_count": m.c.attempt_count + 1,
+        "last_attempt_at": sa.func.coalesce(m.c.send_started_at, now),
+        "last_error_code": code,
+        "last_error_message": message,
+        "updated_at": now,
+    }
+
+
+def finalize_sent(
+    conn: sa.Connection,
+    *,
+    message_id: int,
+    claim_token: str,
+    provider_message_id: str | None,
+    now: datetime,
+) -> bool:
+    """finalize_sent -- processing -> sent, for the holder of the claim only."""
+    values = {
+        **_attempted(now, None, None),
+        "status": Status.SENT.value,
+        "sent_at": now,
+        "provider_message_id": provider_message_id,
+    }
+    return _transition(conn, message_id, claim_token, values, None)
+
+
+def schedule_retry(
+    conn: sa.Connection,
+    *,
+    message_id: int,
+    claim_token: str,
+    next_attempt_at: datetime,
+    code: str | None,
+    message: str | None,
+    now: datetime,
+    expired_before: datetime | None = None,
+) -> bool:
+    """schedule_retry -- processing -> retrying at ``next_attempt_at``; one attempt counted."""
+    values = {
+        **_attempted(now, code, message),
+        "status": Status.RETRYING.value,
+        "next_attempt_at": next_attempt_at,
+    }
+    return _transition(conn, message_id, claim_token, values, expired_before)
+
+
+def fail(
+    conn: sa.Connection,
+    *,
+    message_id: int,
+    claim_token: str,
+    code: str | None,
+    message: str | None,
+    now: datetime,
+) -> bool:
+    """fail -- processing -> failed (permanent error, or attempts exhausted)."""
+    values = {**_attempted(now, code, message), "status": Status.FAILED.value}
+    return _transition(conn, message_id, claim_token, values, None)
+
+
+def hold_unknown(
+    conn: sa.Connection,
+    *,
+    message_id: int,
+    claim_token: str,
+    code: str | None,
+    message: str | None,
+    now: datetime,
+    expired_before: datetime | None = None,
+) -> bool:
+    """hold_unknown -- processing -> unknown_outcome: the send may have happened.
+
+    ``claimed_by``, ``claimed_at`` and ``send_started_at`` stay for reconciliation. The
+    claim/relay never picks this row again; only an operator's ``requeue`` does.
+    """
+    values = {**_attempted(now, code, message), "status": Status.UNKNOWN_OUTCOME.value}
+    return _transition(conn, message_id, claim_token, values, expired_before)
+
+
+_PREVIOUS_STATUS = sa.case(
+    (m.c.attempt_count == 0, Status.PENDING.value), else_=Status.RETRYING.value
+)
+
+
+def release(
+    conn: sa.Connection,
+    *,
+    message_id: int,
+    claim_token: str,
+    now: datetime,
+    code: str | None = None,
+    message: str | None = None,
+    expired_before: datetime | None = None,
+) -> bool:
+    """release -- processing -> its previous status (pending if never attempted, else
+    retrying), with no attempt counted and ``next_attempt_at`` unchanged."""
+    values: dict[str, Any] = {
+        **_NO_CLAIM,
+        "status": _PREVIOUS_STATUS,
+        "send_started_at": None,
+        "updated_at": now,
+    }
+    if code is not None:
+        values["last_error_code"] = code
+        values["last_error_message"] = message
+    return _transition(conn, message_id, claim_token, values, expired_before)
+
+
+def release_unstarted(conn: sa.Connection, *, claim_token: str, now: datetime) -> int:
+    """release_unstarted -- Give back every row of a claim whose send never started (drain)."""
+    stmt = (
+        sa.update(m)
+        .where(
+            m.c.claim_token == claim_token,
+            m.c.status == Status.PROCESSING.value,
+            m.c.send_started_at.is_(None),
+        )
+        .values(**_NO_CLAIM, status=_PREVIOUS_STATUS, updated_at=now)
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+def record_attempts(conn: sa.Connection, records: Iterable[AttemptRecord]) -> None:
+    """record_attempts -- Append attempt rows (in the finalize's transaction, stale or not)."""
+    rows = [
+        {
+            "message_id": r.message_id,
+            "claim_token": r.claim_token,
+            "relay_id": r.relay_id,
+            "started_at": r.started_at,
+            "finished_at": r.finished_at,
+            "outcome": r.outcome,
+            "error_code": r.error_code,
+            "error_message": r.error_message,
+            "provider_message_id": r.provider_message_id,
+        }
+        for r in records
+    ]
+    if rows:
+        conn.execute(sa.insert(attempts), rows)
+
+
+# -- sweep and expiry --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StaleLease:
+    """A processing row whose lease ran out: its holder died or hung."""
+
+    claim: Claim
+    claimed_by: str | None
+    send_started_at: datetime | None
+
+
+def sweep_candidates(conn: sa.Connection, *, now: datetime, limit: int = 500) -> list[StaleLease]:
+    """sweep_expired_leases (read) -- Processing rows whose lease expired before ``now``.
+
+    The caller decides per row (released if the send never started, else per the ambiguity
+    policy) and applies it with the row's own claim token and ``expired_before=now``, so a
+    relay that renews its lease in between keeps its row, and racing sweeps are harmless.
+    """
+    rows = conn.execute(
+        sa.select(*_CLAIM_COLUMNS, m.c.claimed_by, m.c.send_started_at)
+        .where(m.c.status == Status.PROCESSING.value, m.c.lease_expires_at < now)
+        .order_by(m.c.lease_expires_at)
+        .limit(limit)
+    ).all()
+    return [
+        StaleLease(
+            claim=Claim(
+                id=row.id,
+                key=row.idempotency_key,
+                category=row.category,
+                priority=row.priority,
+                payload=None,
+                recipient_count=row.recipient_count,
+                claim_token=row.claim_token,
+                attempt_count=row.attempt_count,
+                max_attempts=row.max_attempts,
+                backoff_base=row.backoff_base,
+                backoff_cap=row.backoff_cap,
+                ambiguity_policy=AmbiguityPolicy(row.ambiguity_policy),
+                lease_expires_at=row.lease_expires_at,
+            ),
+            claimed_by=row.claimed_by,
+            send_started_at=row.send_started_at,
+        )
+        for row in rows
+    ]
+
+
+def expire(conn: sa.Connection, *, now: datetime) -> int:
+    """expire -- pending/retrying rows past ``expires_at`` -> expired (never sent)."""
+    stmt = (
+        sa.update(m)
+        .where(
+            m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
+            m.c.expires_at.is_not(None),
+            m.c.expires_at <= now,
+        )
+        .values(status=Status.EXPIRED.value, updated_at=now)
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+# -- operator transitions ----------------------------------------------------------------
+
+
+def requeue(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:
+    """requeue -- unknown_outcome/failed -> pending, due now, with a fresh attempt budget."""
+    stmt = (
+        sa.update(m)
+        .where(
+            m.c.id == message_id,
+            m.c.status.in_([Status.UNKNOWN_OUTCOME.value, Status.FAILED.value]),
+        )
+        .values(
+            **_NO_CLAIM,
+            status=Status.PENDING.value,
+            attempt_count=0,
+            next_attempt_at=now,
+            send_started_at=None,
+            updated_at=now,
+        )
+    )
+    return conn.execute(stmt).rowcount == 1
+
+
+def cancel(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:
+    """cancel -- pending/retrying -> cancelled; a row being sent cannot be cancelled."""
+    stmt = (
+        sa.update(m)
+        .where(
+            m.c.id == message_id,
+            m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
+        )
+        .values(status=Status.CANCELLED.value, updated_at=now)
+    )
+    return conn.execute(stmt).rowcount == 1
+
+
+# -- relays ------------------------------------------------------------------------------
+
+
+def register(conn: sa.Connection, *, relay_id: str, host: str, pid: int, now: datetime) -> None:
+    """register -- Announce a relay (a restarted relay id takes its row over)."""
+    conn.execute(sa.delete(relays).where(relays.c.relay_id == relay_id))
+    conn.execute(
+        sa.insert(relays).values(
+            relay_id=relay_id,
+            host=host,
+            pid=pid,
+            started_at=now,
+            heartbeat_at=now,
+            state="running",
+        )
+    )
+
+
+def heartbeat(conn: sa.Connection, *, relay_id: str, now: datetime, state: str) -> bool:
+    """heartbeat -- The relay is alive, in ``state`` (running, draining, paused)."""
+    stmt = (
+        sa.update(relays).where(relays.c.relay_id == relay_id).values(heartbeat_at=now, state=state)
+    )
+    return conn.execute(stmt).rowcount == 1
+
+
+def stop(conn: sa.Connection, *, relay_id: str, now: datetime) -> None:
+    """stop -- The relay exited cleanly."""
+    conn.execute(
+        sa.update(relays)
+        .where(relays.c.relay_id == relay_id)
+        .values(heartbeat_at=now, state="stopped")
+    )

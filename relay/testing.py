@@ -1,0 +1,94 @@
+"""Fakes for tests: a scriptable sender that counts every call, even across processes.
+
+Used by this project's own tests and meant for host apps' tests too::
+
+    sender = FakeSender()                       # accepts everything
+    sender = FakeSender(outcomes=[Transient(code="Throttling"), Accepted(...)])
+    sender = FakeSender(latency=0.05, record_file=tmp_path / "sent.log")
+
+``outbox-relay run --sender relay.testing:sender_from_env`` builds one from ``OUTBOX_FAKE_*``
+variables, so relay *processes* can be tested the same way; :func:`read_deliveries` counts what
+they all sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from relay.senders import Accepted, Outcome, OutgoingMessage
+
+__all__ = ["FakeSender", "read_deliveries", "sender_from_env"]
+
+Script = Callable[[OutgoingMessage], Outcome]
+
+
+class FakeSender:
+    """A sender that records each call and answers from a script.
+
+    ``outcomes`` is either a callable ``(message) -> Outcome`` or a sequence consumed one per
+    call (then ``Accepted`` once it runs out). ``latency`` seconds are slept per send. With
+    ``record_file``, each call appends ``id<TAB>key<TAB>pid`` to it (one ``write`` of one line
+    under ``O_APPEND``, so concurrent processes never interleave).
+    """
+
+    name = "fake"
+
+    def __init__(
+        self,
+        outcomes: Script | Iterable[Outcome] | None = None,
+        *,
+        latency: float = 0.0,
+        record_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._script: Script | None = outcomes if callable(outcomes) else None
+        self._queue = collections.deque(() if outcomes is None or callable(outcomes) else outcomes)
+        self.latency = latency
+        self.record_file = Path(record_file) if record_file is not None else None
+        self.calls: list[OutgoingMessage] = []
+        self._lock = threading.Lock()
+
+    def send(self, message: OutgoingMessage) -> Outcome:
+        if self.latency:
+            time.sleep(self.latency)
+        with self._lock:
+            self.calls.append(message)
+            if self.record_file is not None:
+                line = f"{message.id}\t{message.key}\t{os.getpid()}\n".encode()
+                fd = os.open(self.record_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+            if self._script is not None:
+                return self._script(message)
+            if self._queue:
+                return self._queue.popleft()
+        return Accepted(provider_message_id=f"fake-{message.id}-{message.attempt}")
+
+    @property
+    def sent_ids(self) -> list[int]:
+        with self._lock:
+            return [m.id for m in self.calls]
+
+
+def sender_from_env() -> FakeSender:
+    """A FakeSender configured by ``OUTBOX_FAKE_RECORD_FILE`` and ``OUTBOX_FAKE_LATENCY``."""
+    return FakeSender(
+        latency=float(os.environ.get("OUTBOX_FAKE_LATENCY", "0")),
+        record_file=os.environ.get("OUTBOX_FAKE_RECORD_FILE") or None,
+    )
+
+
+def read_deliveries(record_file: str | os.PathLike[str]) -> collections.Counter[int]:
+    """How many times each message id was sent, from a FakeSender's ``record_file``."""
+    path = Path(record_file)
+    if not path.exists():
+        return collections.Counter()
+    return collections.Counter(
+        int(line.split("\t", 1)[0]) for line in path.read_text().splitlines() if line
+    )

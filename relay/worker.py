@@ -1,0 +1,548 @@
+"""The relay loop: sweep, claim what can be sent now, mark, send on threads, finalize.
+
+The loop is thin on purpose. Decisions come from :mod:`relay.policy`, SQL from
+:mod:`relay.store`; this module only orders them, and never holds a database transaction
+while a send is in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from blinker import NamedSignal
+
+from outbox.exceptions import InvalidEmail
+from outbox.message import Email
+from outbox.schema import utcnow
+from relay import signals, store
+from relay.config import RelayConfig
+from relay.policy import Action, Decision, LeaseExpired, decide
+from relay.ratelimit import SlidingWindowLimiter
+from relay.senders import (
+    Accepted,
+    Ambiguous,
+    Disabled,
+    Outcome,
+    OutgoingMessage,
+    Permanent,
+    Sender,
+    Transient,
+)
+
+__all__ = ["Relay"]
+
+log = logging.getLogger("relay")
+
+_SWEEP_OUTCOME = "lease_expired"
+_OUTCOME_NAMES: dict[type, str] = {
+    Accepted: "accepted",
+    Transient: "transient",
+    Permanent: "permanent",
+    Ambiguous: "ambiguous",
+    Disabled: "disabled",
+}
+_SIGNALS: dict[Action, NamedSignal] = {
+    Action.SENT: signals.sent,
+    Action.RETRY: signals.retry_scheduled,
+    Action.FAIL: signals.failed,
+    Action.HOLD: signals.unknown_outcome,
+    Action.RELEASE: signals.released,
+}
+_LOG_ACTIONS = {
+    Action.SENT: "sent",
+    Action.RETRY: "retry_scheduled",
+    Action.FAIL: "failed",
+    Action.HOLD: "unknown_outcome",
+    Action.RELEASE: "released",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class _InFlight:
+    claim: store.Claim
+    started_at: datetime
+    future: Future[Outcome]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Done:
+    claim: store.Claim
+    started_at: datetime | None
+    finished_at: datetime
+    outcome: Outcome | None  # None: the payload could not be turned into an email
+    decision: Decision
+
+
+class Relay:
+    """One relay process's loop. ``run()`` returns when stopped (drained) or, with
+    ``exit_when_idle``, when nothing is due and nothing is in flight."""
+
+    def __init__(
+        self,
+        *,
+        engine: sa.Engine,
+        sender: Sender,
+        config: RelayConfig,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.engine = engine
+        self.sender = sender
+        self.config = config
+        self.clock = clock
+        self.relay_id = config.relay_id
+        self.limiter = SlidingWindowLimiter(config.max_send_rate)
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="outbox-send")
+        self._in_flight: dict[int, _InFlight] = {}
+        self._ready: list[tuple[store.Claim, Email]] = []  # claimed, not yet started
+        self._unsaved: list[_Done] = []  # finished sends whose finalize has not committed yet
+        self._last_heartbeat = 0.0
+        self._db_failures = 0
+        self.state = "running"
+
+    # -- control ---------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin draining: claim nothing more, finish what is in flight. Thread/signal-safe."""
+        self._stopping.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Look for due messages now (called on a PostgreSQL NOTIFY)."""
+        self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def run(self) -> None:
+        """Run until stopped or, with ``exit_when_idle``, until there is nothing left to do."""
+        self._with_db(self._register)
+        try:
+            while not self._stopping.is_set():
+                busy = self._with_db(self.step)
+                if busy is None:  # database error: back off, then try again
+                    self._stopping.wait(self._db_backoff())
+                    continue
+                if not busy and self.config.exit_when_idle and self._idle():
+                    log.info("idle, exiting", extra={"action": "idle_exit"})
+                    break
+                if not busy:
+                    self._wait()
+            self._drain()
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._with_db(self._deregister)
+
+    # -- one tick --------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One pass of the loop; True if it did any work (so the next pass follows at once)."""
+        now = self.clock()
+        self._heartbeat(now)
+        busy = self._finalize()
+        self._extend_leases(now)
+        busy = self._sweep(now) or busy
+        if not self._stopping.is_set():
+            busy = self._claim(now) or busy
+        return self._start_ready() or busy
+
+    def _claim(self, now: datetime) -> bool:
+        free = self.config.concurrency - len(self._in_flight) - len(self._ready)
+        limit = min(free, self.config.batch_size, int(min(self.limiter.available(), 1e9)))
+        if limit <= 0:
+            return False
+        with self.engine.begin() as conn:
+            claims, expired = store.claim_batch(
+                conn,
+                relay_id=self.relay_id,
+                limit=limit,
+                now=now,
+                lease_seconds=self.config.lease_seconds,
+            )
+        for gone in expired:
+            log.info("expired unsent", extra={"action": "expired", "message_id": gone.id})
+            signals.expired.send(self, message_id=gone.id, category=gone.category)
+        poison: list[_Done] = []
+        for claim in claims:
+            signals.claimed.send(self, message_id=claim.id, category=claim.category)
+            try:
+                self._ready.append((claim, Email.from_payload(claim.payload)))
+            except (InvalidEmail, TypeError, ValueError) as exc:
+                decision = Decision(action=Action.FAIL, code="invalid_payload", message=str(exc))
+                poison.append(
+                    _Done(
+                        claim=claim,
+                        started_at=None,
+                        finished_at=now,
+                        outcome=None,
+                        decision=decision,
+                    )
+                )
+        if claims:
+            log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
+        if poison:
+            self._unsaved.extend(poison)
+            self._finalize()
+        return bool(claims or expired)
+
+    def _start_ready(self) -> bool:
+        """Mark and send the claimed messages the rate limit allows now (one statement)."""
+        wave: list[tuple[store.Claim, Email]] = []
+        for item in list(self._ready):
+            if not self.limiter.try_take(max(1, item[0].recipient_count)):
+                break
+            wave.append(item)
+            self._ready.remove(item)
+        if not wave:
+            return False
+        now = self.clock()
+        marked: set[int] = set()
+        with self.engine.begin() as conn:
+            for token, ids in _by_token(c for c, _ in wave).items():
+                marked |= store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
+        for claim, email in wave:
+            if claim.id not in marked:
+                log.warning(
+                    "lease lost before the send started; not sending",
+                    extra={"action": "lease_lost", "message_id": claim.id},
+                )
+                continue
+            message = OutgoingMessage(
+                id=claim.id,
+                key=claim.key,
+                category=claim.category,
+                attempt=claim.attempt_count + 1,
+                email=email,
+            )
+            future = self._pool.submit(self._send, message)
+            self._in_flight[claim.id] = _InFlight(claim=claim, started_at=now, future=future)
+            future.add_done_callback(lambda _f: self._wake.set())
+        return True
+
+    def _send(self, message: OutgoingMessage) -> Outcome:
+        """Runs on a worker thread. A sender that raises is treated as ambiguous: the request
+        may have left before the error."""
+        try:
+            return self.sender.send(message)
+        except Exception as exc:
+            log.exception(
+                "sender raised", extra={"action": "sender_error", "message_id": message.id}
+            )
+            return Ambiguous(code="sender_exception", message=f"{type(exc).__name__}: {exc}")
+
+    def _finalize(self) -> bool:
+        now = self.clock()
+        for message_id, flight in list(self._in_flight.items()):
+            if flight.future.done():
+                del self._in_flight[message_id]
+                outcome = flight.future.result()
+                self._unsaved.append(
+                    _Done(
+                        claim=flight.claim,
+                        started_at=flight.started_at,
+                        finished_at=now,
+                        outcome=outcome,
+                        decision=decide(outcome, flight.claim.state, now),
+                    )
+                )
+        if not self._unsaved:
+            return False
+        batch, applied = list(self._unsaved), []
+        with self.engine.begin() as conn:
+            for done in batch:
+                ok = _apply(conn, done.claim, done.decision, now, expired_before=None)
+                applied.append(ok)
+            store.record_attempts(
+                conn,
+                (
+                    _attempt(done, self.relay_id, stale=not ok)
+                    for done, ok in zip(batch, applied, strict=True)
+                ),
+            )
+        self._unsaved.clear()
+        for done, ok in zip(batch, applied, strict=True):
+            self._announce(done.claim, done.decision, applied=ok)
+        return True
+
+    def _extend_leases(self, now: datetime) -> None:
+        half = timedelta(seconds=self.config.lease_seconds / 2)
+        due = [f.claim for f in self._in_flight.values() if f.claim.lease_expires_at - now < half]
+        if not due:
+            return
+        until = now + timedelta(seconds=self.config.lease_seconds)
+        with self.engine.begin() as conn:
+            for token, ids in _by_token(due).items():
+                kept = store.extend_lease(conn, ids=ids, claim_token=token, until=until)
+                for claim in due:
+                    if claim.claim_token != token:
+                        continue
+                    flight = self._in_flight[claim.id]
+                    if claim.id in kept:
+                        flight.claim = dataclasses.replace(claim, lease_expires_at=until)
+                    else:
+                        log.warning(
+                            "lease lost while sending",
+                            extra={"action": "lease_lost", "message_id": claim.id},
+                        )
+
+    def _sweep(self, now: datetime) -> bool:
+        """sweep_expired_leases: settle rows whose holder stopped renewing its lease."""
+        with self.engine.begin() as conn:
+            stale = store.sweep_candidates(conn, now=now)
+            if not stale:
+                return False
+            results = []
+            for lease in stale:
+                started = lease.send_started_at is not None
+                decision = decide(LeaseExpired(send_started=started), lease.claim.state, now)
+                ok = _apply(conn, lease.claim, decision, now, expired_before=now)
+                results.append((lease, decision, ok))
+            store.record_attempts(
+                conn,
+                (
+                    store.AttemptRecord(
+                        message_id=lease.claim.id,
+                        claim_token=lease.claim.claim_token,
+                        relay_id=lease.claimed_by,
+                        started_at=lease.send_started_at,
+                        finished_at=now,
+                        outcome=_SWEEP_OUTCOME,
+                        error_code=decision.code,
+                        error_message=f"swept by {self.relay_id}",
+                    )
+                    for lease, decision, ok in results
+                    if ok and lease.send_started_at is not None
+                ),
+            )
+        for lease, decision, ok in results:
+            if ok:
+                self._announce(lease.claim, decision, applied=True, swept=True)
+        return any(ok for _, _, ok in results)
+
+    # -- heartbeat, drain, waiting ---------------------------------------------------------
+
+    def _register(self) -> None:
+        now = self.clock()
+        with self.engine.begin() as conn:
+            store.register(
+                conn, relay_id=self.relay_id, host=socket.gethostname(), pid=os.getpid(), now=now
+            )
+        self._last_heartbeat = time.monotonic()
+        log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
+
+    def _heartbeat(self, now: datetime) -> None:
+        if time.monotonic() - self._last_heartbeat < self.config.heartbeat_interval:
+            return
+        with self.engine.begin() as conn:
+            if not store.heartbeat(conn, relay_id=self.relay_id, now=now, state=self.state):
+                store.register(
+                    conn,
+                    relay_id=self.relay_id,
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    now=now,
+                )
+        self._last_heartbeat = time.monotonic()
+
+    def _deregister(self) -> None:
+        with self.engine.begin() as conn:
+            store.stop(conn, relay_id=self.relay_id, now=self.clock())
+        log.info("relay stopped", extra={"action": "stopped", "relay_id": self.relay_id})
+
+    def _drain(self) -> None:
+        """Stop claiming, give back unstarted claims, let sends in flight finish and finalize
+        them within ``drain_seconds``."""
+        self.state = "draining"
+        deadline = time.monotonic() + self.config.drain_seconds
+        log.info(
+            "draining",
+            extra={"action": "draining", "in_flight": len(self._in_flight)},
+        )
+        self._with_db(self._release_ready)
+        while self._in_flight or self._unsaved:
+            if time.monotonic() >= deadline:
+                log.error(
+                    "drain deadline passed with sends in flight; their leases will expire",
+                    extra={"action": "drain_timeout", "in_flight": len(self._in_flight)},
+                )
+                return
+            if self._with_db(self._drain_step) is None:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
+            if self._in_flight:
+                self._wake.wait(0.05)
+                self._wake.clear()
+        log.info("drained", extra={"action": "drained"})
+
+    def _drain_step(self) -> None:
+        self._finalize()
+        self._extend_leases(self.clock())
+
+    def _release_ready(self) -> None:
+        if not self._ready:
+            return
+        now = self.clock()
+        with self.engine.begin() as conn:
+            for claim, _email in self._ready:
+                store.release(conn, message_id=claim.id, claim_token=claim.claim_token, now=now)
+        for claim, _email in self._ready:
+            log.info("released unstarted", extra={"action": "released", "message_id": claim.id})
+            signals.released.send(self, message_id=claim.id, category=claim.category)
+        self._ready.clear()
+
+    def _idle(self) -> bool:
+        return not (self._in_flight or self._ready or self._unsaved)
+
+    def _wait(self) -> None:
+        if self._ready:  # waiting for the rate limit only
+            timeout = max(0.005, self.limiter.seconds_until_available())
+        else:
+            timeout = self.config.poll_interval * random.uniform(0.8, 1.2)
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    def _with_db(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``; on a database error log it and return None (the loop backs off)."""
+        try:
+            result = fn()
+        except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DBAPIError) as exc:
+            self._db_failures += 1
+            log.warning(
+                "database error: %s",
+                exc.orig if exc.orig is not None else exc,
+                extra={"action": "db_error", "failures": self._db_failures},
+            )
+            return None
+        self._db_failures = 0
+        return True if result is None else result
+
+    def _db_backoff(self) -> float:
+        return min(30.0, 0.25 * 2.0 ** min(self._db_failures, 8)) * random.uniform(0.5, 1.0)
+
+    def _announce(
+        self, claim: store.Claim, decision: Decision, *, applied: bool, swept: bool = False
+    ) -> None:
+        extra = {
+            "action": _LOG_ACTIONS[decision.action] if applied else "stale_finalize",
+            "message_id": claim.id,
+            "code": decision.code,
+            "swept": swept,
+        }
+        if not applied:
+            log.warning(
+                "claim no longer held; attempt recorded, message left as it is",
+                extra={**extra, "provider_message_id": decision.provider_message_id},
+            )
+            signals.stale_finalize.send(
+                self,
+                message_id=claim.id,
+                category=claim.category,
+                code=decision.code,
+                provider_message_id=decision.provider_message_id,
+            )
+            return
+        level = logging.WARNING if decision.action is Action.HOLD else logging.INFO
+        log.log(level, _LOG_ACTIONS[decision.action], extra=extra)
+        _SIGNALS[decision.action].send(
+            self,
+            message_id=claim.id,
+            category=claim.category,
+            code=decision.code,
+            provider_message_id=decision.provider_message_id,
+        )
+
+
+def _apply(
+    conn: sa.Connection,
+    claim: store.Claim,
+    decision: Decision,
+    now: datetime,
+    *,
+    expired_before: datetime | None,
+) -> bool:
+    """Apply ``decision`` to ``claim`` through its guarded store transition."""
+    id_, token, code, text = claim.id, claim.claim_token, decision.code, decision.message
+    match decision.action:
+        case Action.SENT:
+            return store.finalize_sent(
+                conn,
+                message_id=id_,
+                claim_token=token,
+                provider_message_id=decision.provider_message_id,
+                now=now,
+            )
+        case Action.RETRY:
+            assert decision.next_attempt_at is not None
+            return store.schedule_retry(
+                conn,
+                message_id=id_,
+                claim_token=token,
+                next_attempt_at=decision.next_attempt_at,
+                code=code,
+                message=text,
+                now=now,
+                expired_before=expired_before,
+            )
+        case Action.FAIL:
+            return store.fail(
+                conn, message_id=id_, claim_token=token, code=code, message=text, now=now
+            )
+        case Action.HOLD:
+            return store.hold_unknown(
+                conn,
+                message_id=id_,
+                claim_token=token,
+                code=code,
+                message=text,
+                now=now,
+                expired_before=expired_before,
+            )
+        case Action.RELEASE:
+            return store.release(
+                conn,
+                message_id=id_,
+                claim_token=token,
+                code=code,
+                message=text,
+                now=now,
+                expired_before=expired_before,
+            )
+    raise AssertionError(decision.action)
+
+
+def _attempt(done: _Done, relay_id: str, *, stale: bool) -> store.AttemptRecord:
+    outcome = done.outcome
+    name = "invalid_payload" if outcome is None else _OUTCOME_NAMES[type(outcome)]
+    return store.AttemptRecord(
+        message_id=done.claim.id,
+        claim_token=done.claim.claim_token,
+        relay_id=relay_id,
+        started_at=done.started_at,
+        finished_at=done.finished_at,
+        outcome=f"stale:{name}" if stale else name,
+        error_code=done.decision.code,
+        error_message=done.decision.message,
+        provider_message_id=done.decision.provider_message_id,
+    )
+
+
+def _by_token(claims: Iterable[store.Claim]) -> dict[str, list[int]]:
+    """Message ids grouped by the claim that holds them (one statement per claim)."""
+    grouped: dict[str, list[int]] = {}
+    for claim in claims:
+        grouped.setdefault(claim.claim_token, []).append(claim.id)
+    return grouped
