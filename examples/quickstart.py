@@ -13,6 +13,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 from outbox import Email, HeaderInjection, Outbox, migrations
 from outbox.schema import messages
 from outbox.sqlite import enable_savepoints
+from relay.config import RelayConfig
+from relay.senders.console import ConsoleSender
+from relay.worker import Relay
 
 
 class Base(DeclarativeBase):
@@ -92,17 +95,26 @@ def main(url: str) -> None:
         ob.enqueue(session, confirmation(order), key="order-confirmation:5")
     print("order 5 committed with a valid email after the refusal")
 
+    show(engine, "committed, waiting for the relay")
     with engine.connect() as conn:
-        print("\noutbox_messages:")
-        for row in conn.execute(
-            sa.select(
-                messages.c.id, messages.c.idempotency_key, messages.c.status, messages.c.recipients
-            )
-        ):
-            print(f"  {row.id:>3}  {row.idempotency_key:<24} {row.status:<8} {row.recipients}")
         orders = conn.execute(sa.select(Order.id).order_by(Order.id)).scalars().all()
-        print(f"quickstart_orders: {orders}")
+    print(f"quickstart_orders: {orders}")
+
+    # 5. The relay delivers what committed: here to the console, in production with
+    #    `outbox-relay run` as a separate process.
+    print("\nrelay:")
+    config = RelayConfig(database_url=url, exit_when_idle=True, relay_id="quickstart")
+    Relay(engine=engine, sender=ConsoleSender(), config=config).run()
+    show(engine, "after the relay")
     engine.dispose()
+
+
+def show(engine: sa.Engine, title: str) -> None:
+    columns = (messages.c.id, messages.c.idempotency_key, messages.c.status, messages.c.recipients)
+    with engine.connect() as conn:
+        print(f"\noutbox_messages ({title}):")
+        for row in conn.execute(sa.select(*columns).order_by(messages.c.id)):
+            print(f"  {row.id:>3}  {row.idempotency_key:<24} {row.status:<8} {row.recipients}")
 
 
 if __name__ == "__main__":

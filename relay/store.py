@@ -23,12 +23,14 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox.schema import AmbiguityPolicy, Status, attempts, messages, relays
-from relay.policy import MessageState
+from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
 
 __all__ = [
     "AttemptRecord",
     "Claim",
     "Expired",
+    "StaleLease",
+    "apply_decision",
     "cancel",
     "claim_batch",
     "expire",
@@ -46,6 +48,7 @@ __all__ = [
     "schedule_retry",
     "stop",
     "sweep_candidates",
+    "sweep_expired_leases",
 ]
 
 m = messages
@@ -415,6 +418,63 @@ def record_attempts(conn: sa.Connection, records: Iterable[AttemptRecord]) -> No
         conn.execute(sa.insert(attempts), rows)
 
 
+def apply_decision(
+    conn: sa.Connection,
+    claim: Claim,
+    decision: Decision,
+    now: datetime,
+    *,
+    expired_before: datetime | None = None,
+) -> bool:
+    """Apply a policy decision to ``claim`` through its guarded transition; False if the
+    claim no longer holds the row (stale: another relay or the sweep moved it)."""
+    id_, token, code, text = claim.id, claim.claim_token, decision.code, decision.message
+    match decision.action:
+        case Action.SENT:
+            return finalize_sent(
+                conn,
+                message_id=id_,
+                claim_token=token,
+                provider_message_id=decision.provider_message_id,
+                now=now,
+            )
+        case Action.RETRY:
+            assert decision.next_attempt_at is not None
+            return schedule_retry(
+                conn,
+                message_id=id_,
+                claim_token=token,
+                next_attempt_at=decision.next_attempt_at,
+                code=code,
+                message=text,
+                now=now,
+                expired_before=expired_before,
+            )
+        case Action.FAIL:
+            return fail(conn, message_id=id_, claim_token=token, code=code, message=text, now=now)
+        case Action.HOLD:
+            return hold_unknown(
+                conn,
+                message_id=id_,
+                claim_token=token,
+                code=code,
+                message=text,
+                now=now,
+                expired_before=expired_before,
+            )
+        case Action.RELEASE:
+            return release(
+                conn,
+                message_id=id_,
+                claim_token=token,
+                code=code,
+                message=text,
+                now=now,
+                expired_before=expired_before,
+            )
+    raise AssertionError(decision.action)
+
+
 # -- sweep and expiry --------------------------------------------------------------------
 
 
@@ -462,6 +522,44 @@ def sweep_candidates(conn: sa.Connection, *, now: datetime, limit: int = 500) ->
         )
         for row in rows
     ]
+
+
+def sweep_expired_leases(
+    conn: sa.Connection, *, now: datetime, relay_id: str, limit: int = 500
+) -> list[tuple[StaleLease, Decision]]:
+    """sweep_expired_leases -- Settle processing rows whose lease ran out before ``now``.
+
+    A row whose send never started goes back to pending/retrying with no attempt counted; one
+    whose send may have begun goes to unknown_outcome (policy ``hold``) or retrying
+    (``resend``), with a ``lease_expired`` attempt recorded under the claim that made it. Each
+    row is moved by its own guarded UPDATE (claim token, and lease still expired), so a relay
+    that renews its lease in between keeps its row, and racing sweeps are harmless. Returns
+    the rows this call moved, with the decision applied.
+    """
+    swept: list[tuple[StaleLease, Decision]] = []
+    for lease in sweep_candidates(conn, now=now, limit=limit):
+        started = lease.send_started_at is not None
+        decision = decide(LeaseExpired(send_started=started), lease.claim.state, now)
+        if apply_decision(conn, lease.claim, decision, now, expired_before=now):
+            swept.append((lease, decision))
+    record_attempts(
+        conn,
+        (
+            AttemptRecord(
+                message_id=lease.claim.id,
+                claim_token=lease.claim.claim_token,
+                relay_id=lease.claimed_by,
+                started_at=lease.send_started_at,
+                finished_at=now,
+                outcome="lease_expired",
+                error_code=decision.code,
+                error_message=f"swept by {relay_id}",
+            )
+            for lease, decision in swept
+            if lease.send_started_at is not None
+        ),
+    )
+    return swept
 
 
 def expire(conn: sa.Connection, *, now: datetime) -> int:

@@ -28,7 +28,7 @@ from outbox.message import Email
 from outbox.schema import utcnow
 from relay import signals, store
 from relay.config import RelayConfig
-from relay.policy import Action, Decision, LeaseExpired, decide
+from relay.policy import Action, Decision, decide
 from relay.ratelimit import SlidingWindowLimiter
 from relay.senders import (
     Accepted,
@@ -45,7 +45,6 @@ __all__ = ["Relay"]
 
 log = logging.getLogger("relay")
 
-_SWEEP_OUTCOME = "lease_expired"
 _OUTCOME_NAMES: dict[type, str] = {
     Accepted: "accepted",
     Transient: "transient",
@@ -264,7 +263,7 @@ class Relay:
         batch, applied = list(self._unsaved), []
         with self.engine.begin() as conn:
             for done in batch:
-                ok = _apply(conn, done.claim, done.decision, now, expired_before=None)
+                ok = store.apply_decision(conn, done.claim, done.decision, now)
                 applied.append(ok)
             store.record_attempts(
                 conn,
@@ -300,38 +299,11 @@ class Relay:
                         )
 
     def _sweep(self, now: datetime) -> bool:
-        """sweep_expired_leases: settle rows whose holder stopped renewing its lease."""
         with self.engine.begin() as conn:
-            stale = store.sweep_candidates(conn, now=now)
-            if not stale:
-                return False
-            results = []
-            for lease in stale:
-                started = lease.send_started_at is not None
-                decision = decide(LeaseExpired(send_started=started), lease.claim.state, now)
-                ok = _apply(conn, lease.claim, decision, now, expired_before=now)
-                results.append((lease, decision, ok))
-            store.record_attempts(
-                conn,
-                (
-                    store.AttemptRecord(
-                        message_id=lease.claim.id,
-                        claim_token=lease.claim.claim_token,
-                        relay_id=lease.claimed_by,
-                        started_at=lease.send_started_at,
-                        finished_at=now,
-                        outcome=_SWEEP_OUTCOME,
-                        error_code=decision.code,
-                        error_message=f"swept by {self.relay_id}",
-                    )
-                    for lease, decision, ok in results
-                    if ok and lease.send_started_at is not None
-                ),
-            )
-        for lease, decision, ok in results:
-            if ok:
-                self._announce(lease.claim, decision, applied=True, swept=True)
-        return any(ok for _, _, ok in results)
+            swept = store.sweep_expired_leases(conn, now=now, relay_id=self.relay_id)
+        for lease, decision in swept:
+            self._announce(lease.claim, decision, applied=True, swept=True)
+        return bool(swept)
 
     # -- heartbeat, drain, waiting ---------------------------------------------------------
 
@@ -405,10 +377,12 @@ class Relay:
         self._ready.clear()
 
     def _idle(self) -> bool:
-        return not (self._in_flight or self._ready or self._unsaved)
+        """Nothing held, and the last claim was not cut short by the rate limit."""
+        busy = self._in_flight or self._ready or self._unsaved
+        return not busy and self.limiter.available() >= 1
 
     def _wait(self) -> None:
-        if self._ready:  # waiting for the rate limit only
+        if self._ready or self.limiter.available() < 1:  # waiting for the rate limit only
             timeout = max(0.005, self.limiter.seconds_until_available())
         else:
             timeout = self.config.poll_interval * random.uniform(0.8, 1.2)
@@ -440,7 +414,7 @@ class Relay:
             "action": _LOG_ACTIONS[decision.action] if applied else "stale_finalize",
             "message_id": claim.id,
             "code": decision.code,
-            "swept": swept,
+            "swept": True if swept else None,
         }
         if not applied:
             log.warning(
@@ -464,64 +438,6 @@ class Relay:
             code=decision.code,
             provider_message_id=decision.provider_message_id,
         )
-
-
-def _apply(
-    conn: sa.Connection,
-    claim: store.Claim,
-    decision: Decision,
-    now: datetime,
-    *,
-    expired_before: datetime | None,
-) -> bool:
-    """Apply ``decision`` to ``claim`` through its guarded store transition."""
-    id_, token, code, text = claim.id, claim.claim_token, decision.code, decision.message
-    match decision.action:
-        case Action.SENT:
-            return store.finalize_sent(
-                conn,
-                message_id=id_,
-                claim_token=token,
-                provider_message_id=decision.provider_message_id,
-                now=now,
-            )
-        case Action.RETRY:
-            assert decision.next_attempt_at is not None
-            return store.schedule_retry(
-                conn,
-                message_id=id_,
-                claim_token=token,
-                next_attempt_at=decision.next_attempt_at,
-                code=code,
-                message=text,
-                now=now,
-                expired_before=expired_before,
-            )
-        case Action.FAIL:
-            return store.fail(
-                conn, message_id=id_, claim_token=token, code=code, message=text, now=now
-            )
-        case Action.HOLD:
-            return store.hold_unknown(
-                conn,
-                message_id=id_,
-                claim_token=token,
-                code=code,
-                message=text,
-                now=now,
-                expired_before=expired_before,
-            )
-        case Action.RELEASE:
-            return store.release(
-                conn,
-                message_id=id_,
-                claim_token=token,
-                code=code,
-                message=text,
-                now=now,
-                expired_before=expired_before,
-            )
-    raise AssertionError(decision.action)
 
 
 def _attempt(done: _Done, relay_id: str, *, stale: bool) -> store.AttemptRecord:

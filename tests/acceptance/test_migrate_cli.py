@@ -97,6 +97,7 @@ def test_quickstart_runs_twice_and_leaves_exactly_the_expected_rows(tmp_path):
         done = run(sys.executable, str(ROOT / "examples" / "quickstart.py"), url)
         assert done.returncode == 0, done.stderr
     assert "refused: subject" in done.stdout
+    assert done.stdout.count("[outbox] message") == 3
     engine = sa.create_engine(url)
     try:
         with engine.connect() as conn:
@@ -107,8 +108,8 @@ def test_quickstart_runs_twice_and_leaves_exactly_the_expected_rows(tmp_path):
     finally:
         engine.dispose()
     assert [tuple(r) for r in got] == [
-        ("order-confirmation:1", "pending"),
-        ("order-confirmation:3", "pending"),
-        ("order-confirmation:5", "pending"),
+        ("order-confirmation:1", "sent"),
+        ("order-confirmation:3", "sent"),
+        ("order-confirmation:5", "sent"),
     ]
     assert [r[0] for r in orders] == [1, 3, 4, 5]

@@ -1,0 +1,316 @@
+"""The relay loop in-process, with a FakeSender, on SQLite, PostgreSQL and MariaDB."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from outbox import Category, Email, Outbox, Status
+from outbox.schema import attempts, messages
+from relay import signals
+from relay.config import RelayConfig
+from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
+from relay.testing import FakeSender
+from relay.worker import Relay
+
+OB = Outbox(categories=[Category(name="digest", ambiguity="resend", max_attempts=3)])
+
+
+def enqueue(engine, n: int, **kw) -> list[int]:
+    ids = []
+    with Session(engine) as session:
+        for i in range(n):
+            email = Email(
+                sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"#{i}", text="hello"
+            )
+            ids.append(OB.enqueue(session, email, **kw).id)
+        session.commit()
+    return ids
+
+
+def statuses(engine) -> dict[int, str]:
+    with engine.connect() as conn:
+        return dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
+
+
+def row(engine, message_id: int):
+    with engine.connect() as conn:
+        return conn.execute(sa.select(messages).where(messages.c.id == message_id)).one()
+
+
+def attempt_rows(engine, message_id: int):
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.select(attempts).where(attempts.c.message_id == message_id).order_by(attempts.c.id)
+        ).all()
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def relay_for(backend, sender, clock=None, **settings) -> Relay:
+    config = RelayConfig(
+        database_url=backend.url,
+        relay_id=settings.pop("relay_id", "test-relay"),
+        **{
+            "poll_interval": 0.05,
+            "send_timeout": 1.0,
+            "lease_seconds": 5.0,
+            "drain_seconds": 5.0,
+            **settings,
+        },
+    )
+    kwargs = {"clock": clock} if clock is not None else {}
+    return Relay(engine=backend.engine, sender=sender, config=config, **kwargs)
+
+
+def settle(relay: Relay, steps: int = 200) -> None:
+    """Step until nothing is in flight and a step finds no work."""
+    for _ in range(steps):
+        busy = relay.step()
+        if not busy and relay.in_flight == 0:
+            return
+        time.sleep(0.005)
+    raise AssertionError("relay did not settle")
+
+
+def test_run_drains_the_backlog_and_exits_when_idle(backend):
+    ids = enqueue(backend.engine, 30)
+    sender = FakeSender()
+    relay_for(backend, sender, exit_when_idle=True, concurrency=4, batch_size=7).run()
+    assert sorted(sender.sent_ids) == ids
+    assert set(statuses(backend.engine).values()) == {Status.SENT}
+    first = row(backend.engine, ids[0])
+    assert first.provider_message_id == f"fake-{ids[0]}-1"
+    assert (first.attempt_count, first.claim_token, first.lease_expires_at) == (1, None, None)
+    assert [a.outcome for a in attempt_rows(backend.engine, ids[0])] == ["accepted"]
+    with backend.engine.connect() as conn:
+        state = conn.execute(sa.text("SELECT state FROM outbox_relays")).scalar_one()
+    assert state == "stopped"
+
+
+def test_transient_error_is_retried_when_due_then_sent(backend):
+    (mid,) = enqueue(backend.engine, 1)
+    clock = Clock()
+    sender = FakeSender([Transient(code="Throttling", throttled=True)])
+    relay = relay_for(backend, sender, clock)
+    settle(relay)
+    r = row(backend.engine, mid)
+    assert (r.status, r.attempt_count, r.last_error_code) == ("retrying", 1, "Throttling")
+    assert r.next_attempt_at >= clock.now + timedelta(seconds=1)  # throttling floor
+    settle(relay)
+    assert len(sender.calls) == 1, "not due yet: no second send"
+    clock.advance(3600)
+    settle(relay)
+    r = row(backend.engine, mid)
+    assert (r.status, r.attempt_count) == ("sent", 2)
+    assert [c.attempt for c in sender.calls] == [1, 2]
+    assert [a.outcome for a in attempt_rows(backend.engine, mid)] == ["transient", "accepted"]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "code"),
+    [
+        (Permanent(code="MessageRejected", message="bad"), "failed", "MessageRejected"),
+        (Ambiguous(code="ReadTimeout"), "unknown_outcome", "ReadTimeout"),
+    ],
+)
+def test_permanent_fails_and_ambiguous_is_held(backend, outcome, status, code):
+    (mid,) = enqueue(backend.engine, 1)
+    sender = FakeSender([outcome])
+    relay = relay_for(backend, sender)
+    settle(relay)
+    settle(relay)
+    r = row(backend.engine, mid)
+    assert (r.status, r.last_error_code, r.attempt_count) == (status, code, 1)
+    assert len(sender.calls) == 1
+    if status == "unknown_outcome":
+        assert r.claimed_by == "test-relay"
+        assert r.send_started_at is not None
+
+
+def test_resend_policy_retries_an_ambiguous_send(backend):
+    (mid,) = enqueue(backend.engine, 1, category="digest")
+    clock = Clock()
+    sender = FakeSender([Ambiguous(code="ReadTimeout")])
+    relay = relay_for(backend, sender, clock)
+    settle(relay)
+    assert row(backend.engine, mid).status == "retrying"
+    clock.advance(3600)
+    settle(relay)
+    assert row(backend.engine, mid).status == "sent"
+    assert len(sender.calls) == 2
+
+
+def test_disabled_releases_without_counting_an_attempt(backend):
+    (mid,) = enqueue(backend.engine, 1)
+    before = row(backend.engine, mid)
+    sender = FakeSender([Disabled(code="AccountSendingPausedException")])
+    relay = relay_for(backend, sender)
+    relay.step()
+    deadline = time.monotonic() + 5
+    while relay.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    relay._finalize()  # finalize without claiming again
+    r = row(backend.engine, mid)
+    assert (r.status, r.attempt_count, r.claim_token) == ("pending", 0, None)
+    assert r.next_attempt_at == before.next_attempt_at
+    assert r.last_error_code == "AccountSendingPausedException"
+
+
+def test_a_sender_that_raises_is_treated_as_ambiguous(backend):
+    (mid,) = enqueue(backend.engine, 1)
+
+    def explode(message: OutgoingMessage):
+        raise ConnectionResetError("peer reset after the request was written")
+
+    settle(relay_for(backend, FakeSender(explode)))
+    r = row(backend.engine, mid)
+    assert (r.status, r.last_error_code) == ("unknown_outcome", "sender_exception")
+
+
+def test_poison_row_fails_and_the_rest_is_delivered(backend):
+    ids = enqueue(backend.engine, 5)
+    with backend.engine.begin() as conn:
+        conn.execute(
+            messages.update().where(messages.c.id == ids[2]).values(payload={"v": 1, "to": 7})
+        )
+    sender = FakeSender()
+    relay_for(backend, sender, exit_when_idle=True).run()
+    assert sorted(sender.sent_ids) == [i for i in ids if i != ids[2]]
+    r = row(backend.engine, ids[2])
+    assert (r.status, r.last_error_code) == ("failed", "invalid_payload")
+    assert "sender" in r.last_error_message
+    assert [a.outcome for a in attempt_rows(backend.engine, ids[2])] == ["invalid_payload"]
+
+
+def test_expired_message_is_never_sent(backend):
+    (mid,) = enqueue(backend.engine, 1, expires_at=datetime.now(UTC) + timedelta(seconds=30))
+    clock = Clock()
+    clock.advance(60)
+    seen = []
+    signals.expired.connect(lambda sender, **kw: seen.append(kw["message_id"]), weak=False)
+    try:
+        sender = FakeSender()
+        settle(relay_for(backend, sender, clock))
+    finally:
+        signals.expired.receivers.clear()
+    assert sender.calls == []
+    assert row(backend.engine, mid).status == "expired"
+    assert seen == [mid]
+
+
+def test_stale_claimant_records_its_attempt_and_leaves_the_row(backend):
+    """A relay whose send outlived its lease: another relay sweeps the row to unknown_outcome,
+    then the first one's finalize fails its guard, and its provider id is still recorded."""
+    (mid,) = enqueue(backend.engine, 1)
+    clock = Clock()
+    release_send = threading.Event()
+
+    def slow(message: OutgoingMessage):
+        release_send.wait(10)
+        return Accepted(provider_message_id="ses-late-1")
+
+    first = relay_for(backend, FakeSender(slow), clock, relay_id="first")
+    first.step()  # claimed, marked, send in flight
+    assert first.in_flight == 1
+    clock.advance(60)  # the lease (5 s) is long gone; `first` never got to renew it
+    second_clock = Clock()
+    second_clock.now = clock.now
+    second = relay_for(backend, FakeSender(), second_clock, relay_id="second")
+    stale_seen = []
+    signals.stale_finalize.connect(lambda s, **kw: stale_seen.append(kw), weak=False)
+    try:
+        second.step()
+        r = row(backend.engine, mid)
+        assert (r.status, r.claimed_by, r.last_error_code) == (
+            "unknown_outcome",
+            "first",
+            "lease_expired_after_send_started",
+        )
+        release_send.set()
+        deadline = time.monotonic() + 5
+        while first.in_flight and time.monotonic() < deadline:
+            first._finalize()
+            time.sleep(0.01)
+    finally:
+        signals.stale_finalize.receivers.clear()
+    r = row(backend.engine, mid)
+    assert (r.status, r.provider_message_id) == ("unknown_outcome", None)
+    outcomes = [
+        (a.outcome, a.relay_id, a.provider_message_id) for a in attempt_rows(backend.engine, mid)
+    ]
+    assert outcomes == [("lease_expired", "first", None), ("stale:accepted", "first", "ses-late-1")]
+    assert [s["provider_message_id"] for s in stale_seen] == ["ses-late-1"]
+
+
+def test_lease_is_extended_while_a_send_is_in_flight(backend):
+    (mid,) = enqueue(backend.engine, 1)
+    clock = Clock()
+    gate = threading.Event()
+    relay = relay_for(
+        backend, FakeSender(lambda m: (gate.wait(10), Accepted(provider_message_id="x"))[1]), clock
+    )
+    relay.step()
+    first_lease = row(backend.engine, mid).lease_expires_at
+    clock.advance(4)  # past half of the 5 s lease
+    relay.step()
+    assert row(backend.engine, mid).lease_expires_at == clock.now + timedelta(seconds=5)
+    assert row(backend.engine, mid).lease_expires_at > first_lease
+    gate.set()
+    settle(relay)
+    assert row(backend.engine, mid).status == "sent"
+
+
+def test_drain_finishes_sends_in_flight_and_leaves_no_unknown_outcome(backend):
+    ids = enqueue(backend.engine, 12)
+    sender = FakeSender(latency=0.3)
+    relay = relay_for(backend, sender, concurrency=4, drain_seconds=5)
+    runner = threading.Thread(target=relay.run)
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not sender.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    relay.request_stop()
+    runner.join(10)
+    assert not runner.is_alive()
+    state = statuses(backend.engine)
+    assert "processing" not in state.values()
+    assert "unknown_outcome" not in state.values()
+    sent = [i for i, s in state.items() if s == "sent"]
+    assert sorted(sent) == sorted(sender.sent_ids)
+    assert 0 < len(sent) < len(ids)
+    assert all(state[i] == "pending" for i in ids if i not in sent)
+
+
+def test_rate_limit_is_never_exceeded_in_any_second(backend):
+    enqueue(backend.engine, 25)
+    stamps: list[float] = []
+
+    def timed(message: OutgoingMessage):
+        stamps.append(time.monotonic())
+        return Accepted(provider_message_id="x")
+
+    relay_for(
+        backend, FakeSender(timed), exit_when_idle=True, max_send_rate=10, concurrency=8
+    ).run()
+    assert len(stamps) == 25
+    stamps.sort()
+    worst = max(sum(1 for t in stamps if s <= t < s + 1.0) for s in stamps)
+    assert worst <= 10
+    assert stamps[-1] - stamps[0] >= 2.0  # 25 sends at 10/s need more than two seconds

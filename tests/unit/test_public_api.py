@@ -1,0 +1,77 @@
+"""The public API is a decision: these lists change only on purpose."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+EXPORTS = {
+    "outbox": [
+        "NOTIFY_CHANNEL",
+        "AmbiguityPolicy",
+        "Attachment",
+        "Category",
+        "ConfigurationError",
+        "Email",
+        "EnqueueError",
+        "EnqueueResult",
+        "HeaderInjection",
+        "InvalidAddress",
+        "InvalidArgument",
+        "InvalidEmail",
+        "InvalidKey",
+        "MessageTooLarge",
+        "Outbox",
+        "OutboxError",
+        "RecipientCountError",
+        "Status",
+        "UnknownCategory",
+    ],
+    "outbox.sqlite": ["enable_savepoints"],
+    "outbox.signals": ["duplicate_skipped", "enqueued"],
+    "relay.senders": [
+        "Accepted",
+        "Ambiguous",
+        "Disabled",
+        "Outcome",
+        "OutgoingMessage",
+        "Permanent",
+        "Sender",
+        "Transient",
+    ],
+    "relay.policy": [
+        "THROTTLE_FLOOR_SECONDS",
+        "Action",
+        "Decision",
+        "LeaseExpired",
+        "MessageState",
+        "backoff_seconds",
+        "decide",
+    ],
+    "relay.testing": ["FakeSender", "read_deliveries", "sender_from_env"],
+    "relay.worker": ["Relay"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(EXPORTS))
+def test_exports(module):
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(EXPORTS[module])
+    for name in mod.__all__:
+        assert hasattr(mod, name), f"{module}.{name} is exported but missing"
+
+
+def test_statuses_are_the_documented_list():
+    from outbox import Status
+
+    assert [s.value for s in Status] == [
+        "pending",
+        "retrying",
+        "processing",
+        "sent",
+        "failed",
+        "unknown_outcome",
+        "cancelled",
+        "expired",
+    ]
