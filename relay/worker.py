@@ -45,6 +45,8 @@ __all__ = ["Relay"]
 
 log = logging.getLogger("relay")
 
+EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
+
 _OUTCOME_NAMES: dict[type, str] = {
     Accepted: "accepted",
     Transient: "transient",
@@ -109,6 +111,7 @@ class Relay:
         self._ready: list[tuple[store.Claim, Email]] = []  # claimed, not yet started
         self._unsaved: list[_Done] = []  # finished sends whose finalize has not committed yet
         self._last_heartbeat = 0.0
+        self._last_expire = 0.0
         self._db_failures = 0
         self.state = "running"
 
@@ -155,6 +158,7 @@ class Relay:
         busy = self._finalize()
         self._extend_leases(now)
         busy = self._sweep(now) or busy
+        self._expire(now)
         if not self._stopping.is_set():
             busy = self._claim(now) or busy
         return self._start_ready() or busy
@@ -201,11 +205,10 @@ class Relay:
     def _start_ready(self) -> bool:
         """Mark and send the claimed messages the rate limit allows now (one statement)."""
         wave: list[tuple[store.Claim, Email]] = []
-        for item in list(self._ready):
+        for item in self._ready:
             if not self.limiter.try_take(max(1, item[0].recipient_count)):
                 break
             wave.append(item)
-            self._ready.remove(item)
         if not wave:
             return False
         now = self.clock()
@@ -213,6 +216,7 @@ class Relay:
         with self.engine.begin() as conn:
             for token, ids in _by_token(c for c, _ in wave).items():
                 marked |= store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
+        del self._ready[: len(wave)]  # only once the marks committed: on error, retry them
         for claim, email in wave:
             if claim.id not in marked:
                 log.warning(
@@ -304,6 +308,16 @@ class Relay:
         for lease, decision in swept:
             self._announce(lease.claim, decision, applied=True, swept=True)
         return bool(swept)
+
+    def _expire(self, now: datetime) -> None:
+        """Expire rows that are not due yet; due ones are expired by the claim itself."""
+        if time.monotonic() - self._last_expire < EXPIRE_INTERVAL:
+            return
+        with self.engine.begin() as conn:
+            count = store.expire(conn, now=now)
+        self._last_expire = time.monotonic()
+        if count:
+            log.info("expired unsent", extra={"action": "expired", "count": count})
 
     # -- heartbeat, drain, waiting ---------------------------------------------------------
 
