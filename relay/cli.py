@@ -101,7 +101,18 @@ def build_sender(spec: str, config: RelayConfig) -> Sender:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError("--sender", f"{spec!r} cannot be loaded: {exc}") from None
-    sender: Sender = factory()
+    try:
+        sender = factory()
+    except ConfigurationError:
+        raise
+    except Exception as exc:
+        raise ConfigurationError(
+            "--sender", f"{spec!r} could not build a sender: {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(sender, Sender):
+        raise ConfigurationError(
+            "--sender", f"{spec!r} returned a {type(sender).__name__}, which has no send(message)"
+        )
     return sender
 
 

@@ -8,7 +8,7 @@ provider and no answer came back, the outcome is :class:`Ambiguous`, never :clas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from outbox.message import Email
 
@@ -83,6 +83,7 @@ class Disabled:
 Outcome = Accepted | Transient | Permanent | Ambiguous | Disabled
 
 
+@runtime_checkable
 class Sender(Protocol):
     """Delivers one message. Called from worker threads: must be thread-safe."""
 

@@ -1,0 +1,217 @@
+"""`outbox-relay run` as a user runs it: bad settings are refused before anything starts, and
+a SQLite quick run delivers its backlog."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections import Counter
+
+import pytest
+import sqlalchemy as sa
+
+from outbox.sqlite import enable_savepoints
+from relay import cli
+from relay.testing import read_deliveries
+from tests.acceptance.relayproc import (
+    FAKE_SENDER,
+    RELAY,
+    attempt_rows,
+    clean_env,
+    enqueue,
+    message_rows,
+    relay_rows,
+)
+
+FLAGS = (
+    "--database-url",
+    "--sender",
+    "--concurrency",
+    "--batch-size",
+    "--lease-seconds",
+    "--send-timeout",
+    "--poll-interval",
+    "--max-send-rate",
+    "--drain-seconds",
+    "--exit-when-idle",
+    "--relay-id",
+    "--log-level",
+)
+
+
+def relay(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [RELAY, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(**env),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def env_name(flag: str) -> str:
+    return "OUTBOX_" + flag.removeprefix("--").replace("-", "_").upper()
+
+
+def refusal(done: subprocess.CompletedProcess[str]) -> str:
+    """The one ``Error:`` line of a refused start, after checking how it was refused."""
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+# (flags and values, the flag the refusal must name). The database URL defaults to a SQLite
+# file that must still not exist afterwards: a refused start never connects.
+BAD_SETTINGS = {
+    "concurrency-zero": ({"--concurrency": "0"}, "--concurrency"),
+    "concurrency-negative": ({"--concurrency": "-1"}, "--concurrency"),
+    "concurrency-not-a-number": ({"--concurrency": "many"}, "--concurrency"),
+    "batch-size-zero": ({"--batch-size": "0"}, "--batch-size"),
+    "lease-not-twice-send-timeout": (
+        {"--lease-seconds": "10", "--send-timeout": "20"},
+        "--lease-seconds",
+    ),
+    "lease-exactly-twice-send-timeout": (
+        {"--lease-seconds": "40", "--send-timeout": "20"},
+        "--lease-seconds",
+    ),
+    "drain-shorter-than-send-timeout": ({"--drain-seconds": "1"}, "--drain-seconds"),
+    "drain-not-a-number": ({"--drain-seconds": "nan"}, "--drain-seconds"),
+    "poll-interval-zero": ({"--poll-interval": "0"}, "--poll-interval"),
+    "max-send-rate-negative": ({"--max-send-rate": "-5"}, "--max-send-rate"),
+    "max-send-rate-zero": ({"--max-send-rate": "0"}, "--max-send-rate"),
+    "send-timeout-infinite": ({"--send-timeout": "inf"}, "--send-timeout"),
+    "sender-unknown-name": ({"--sender": "nosuch"}, "--sender"),
+    "sender-missing-module": ({"--sender": "nosuch.module:x"}, "--sender"),
+    "sender-missing-factory": ({"--sender": "relay.testing:nosuch"}, "--sender"),
+    "log-level-unknown": ({"--log-level": "LOUD"}, "--log-level"),
+    "database-url-not-a-url": ({"--database-url": "notaurl"}, "--database-url"),
+    "database-url-unsupported": ({"--database-url": "oracle://x/y"}, "--database-url"),
+}
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    path = tmp_path / "never-created.db"
+    yield path
+    assert not path.exists(), "a refused start touched the database"
+
+
+def _settings(settings: dict[str, str], db_path) -> dict[str, str]:
+    return {"--database-url": f"sqlite:///{db_path}", **settings}
+
+
+def _without_env_hint(line: str) -> str:
+    """click names the env var in its own type errors only sometimes; compare without it."""
+    return re.sub(r" \(env var: '[A-Z_]+'\)", "", line)
+
+
+@pytest.mark.parametrize(("settings", "flag"), BAD_SETTINGS.values(), ids=BAD_SETTINGS.keys())
+def test_a_bad_setting_is_refused_with_one_line_naming_it_as_flag_or_env_var(
+    settings, flag, db_path
+):
+    full = _settings(settings, db_path)
+    as_flags = refusal(relay("run", *(part for item in full.items() for part in item)))
+    assert flag in as_flags
+    as_env = refusal(relay("run", **{env_name(k): v for k, v in full.items()}))
+    assert _without_env_hint(as_env) == _without_env_hint(as_flags)
+
+
+def test_an_unknown_flag_is_refused(db_path):
+    line = refusal(relay("run", "--database-url", f"sqlite:///{db_path}", "--bogus"))
+    assert "--bogus" in line
+
+
+def test_an_empty_relay_id_is_refused(db_path):
+    # (as an env var, empty means "not set" to click, and the default id applies)
+    line = refusal(relay("run", "--database-url", f"sqlite:///{db_path}", "--relay-id", ""))
+    assert "--relay-id" in line
+
+
+def test_a_missing_database_url_is_refused(db_path):
+    line = refusal(relay("run", "--sender", "console"))
+    assert "--database-url" in line
+
+
+@pytest.mark.parametrize(
+    "sender",
+    [
+        "relay.testing:read_deliveries",  # the factory raises (it needs an argument)
+        "builtins:object",  # the factory returns something that cannot send
+    ],
+    ids=["factory-raises", "factory-returns-a-non-sender"],
+)
+def test_a_sender_factory_that_cannot_make_a_sender_is_refused(sender, tmp_path):
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    assert relay("migrate", "--database-url", url).returncode == 0
+    engine = sa.create_engine(url)
+    enable_savepoints(engine)
+    try:
+        (waiting,) = enqueue(engine, 1)
+        done = relay(
+            "run", "--database-url", url, "--sender", sender, "--exit-when-idle", timeout=15
+        )
+        line = refusal(done)
+        assert "--sender" in line
+        assert sender in line
+        row = message_rows(engine)[waiting]
+        assert (row.status, row.attempt_count) == ("pending", 0)  # not parked as unknown_outcome
+    finally:
+        engine.dispose()
+
+
+def test_help_lists_every_flag_with_its_env_var():
+    done = relay("run", "--help")
+    assert done.returncode == 0, done.stderr
+    # one block per option: its first line starts with the flag, wrapped lines are indented
+    blocks: dict[str, str] = {}
+    for line in done.stdout.splitlines():
+        found = re.match(r"\s{2}(?:-\w, )?(--[a-z-]+)", line)
+        if found:
+            current = found.group(1)
+            blocks[current] = line
+        elif line.startswith("      ") and blocks:
+            blocks[current] += " " + line.strip()
+    declared = {opt for param in cli.run.params for opt in param.opts}
+    assert set(FLAGS) <= declared
+    for flag in declared:
+        assert flag in blocks, f"{flag} missing from --help"
+        text = " ".join(blocks[flag].split())
+        assert f"env var: {env_name(flag)}" in text, text
+
+
+def test_a_quick_run_on_sqlite_delivers_every_message_once(tmp_path):
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    migrated = relay("migrate", "--database-url", url)
+    assert migrated.returncode == 0, migrated.stderr
+    engine = sa.create_engine(url)
+    enable_savepoints(engine)
+    try:
+        ids = enqueue(engine, 20)
+        record = tmp_path / "sent.log"
+        done = relay(
+            "run",
+            "--exit-when-idle",
+            "--relay-id",
+            "sqlite-quick",
+            timeout=60,
+            OUTBOX_DATABASE_URL=url,
+            OUTBOX_SENDER=FAKE_SENDER,
+            OUTBOX_POLL_INTERVAL="0.1",
+            OUTBOX_FAKE_RECORD_FILE=str(record),
+        )
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+        assert read_deliveries(record) == Counter(ids)
+        rows = message_rows(engine)
+        assert {row.status for row in rows.values()} == {"sent"}
+        assert all(row.provider_message_id == f"fake-{i}-1" for i, row in rows.items())
+        assert Counter(a.message_id for a in attempt_rows(engine)) == Counter(ids)
+        assert relay_rows(engine)["sqlite-quick"].state == "stopped"
+    finally:
+        engine.dispose()
