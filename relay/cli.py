@@ -20,6 +20,7 @@ from outbox import migrations
 from outbox.exceptions import ConfigurationError
 from relay import logs
 from relay.config import RelayConfig
+from relay.db import make_engine
 from relay.senders import Sender
 from relay.senders.console import ConsoleSender
 from relay.wakeup import Listener
@@ -30,7 +31,7 @@ __all__ = ["main"]
 
 def _engine(url: str) -> sa.Engine:
     try:
-        return sa.create_engine(url, pool_pre_ping=True, pool_recycle=1800)
+        return make_engine(url)
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="'--database-url'") from None
 

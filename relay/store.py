@@ -66,6 +66,7 @@ _CLAIM_COLUMNS = (
     m.c.backoff_base,
     m.c.backoff_cap,
     m.c.ambiguity_policy,
+    m.c.next_attempt_at,
     m.c.lease_expires_at,
 )
 _NO_CLAIM = {"claim_token": None, "lease_expires_at": None}
@@ -87,6 +88,7 @@ class Claim:
     backoff_base: float
     backoff_cap: float
     ambiguity_policy: AmbiguityPolicy
+    next_attempt_at: datetime
     lease_expires_at: datetime
 
     @property
@@ -182,7 +184,9 @@ def claim_batch(
         rows = conn.execute(stmt.returning(*_CLAIM_COLUMNS)).all()
     else:
         conn.execute(stmt)
-        rows = conn.execute(sa.select(*_CLAIM_COLUMNS).where(m.c.claim_token == token)).all()
+        rows = conn.execute(
+            sa.select(*_CLAIM_COLUMNS).where(chosen, m.c.claim_token == token)
+        ).all()
     claims, gone = [], []
     for row in rows:
         if row.status == Status.EXPIRED.value:
@@ -202,10 +206,11 @@ def claim_batch(
                 backoff_base=row.backoff_base,
                 backoff_cap=row.backoff_cap,
                 ambiguity_policy=AmbiguityPolicy(row.ambiguity_policy),
+                next_attempt_at=row.next_attempt_at,
                 lease_expires_at=row.lease_expires_at,
             )
         )
-    claims.sort(key=lambda c: (c.priority, c.id))
+    claims.sort(key=lambda c: (c.priority, c.next_attempt_at, c.id))
     return claims, gone
 
 
@@ -384,11 +389,17 @@ def release(
     return _transition(conn, message_id, claim_token, values, expired_before)
 
 
-def release_unstarted(conn: sa.Connection, *, claim_token: str, now: datetime) -> int:
-    """release_unstarted -- Give back every row of a claim whose send never started (drain)."""
+def release_unstarted(
+    conn: sa.Connection, *, ids: Sequence[int], claim_token: str, now: datetime
+) -> int:
+    """release_unstarted -- Give back rows of a claim whose send never started (drain), in one
+    statement; returns how many went back."""
+    if not ids:
+        return 0
     stmt = (
         sa.update(m)
         .where(
+            m.c.id.in_(ids),
             m.c.claim_token == claim_token,
             m.c.status == Status.PROCESSING.value,
             m.c.send_started_at.is_(None),
@@ -515,6 +526,7 @@ def sweep_candidates(conn: sa.Connection, *, now: datetime, limit: int = 500) ->
                 backoff_base=row.backoff_base,
                 backoff_cap=row.backoff_cap,
                 ambiguity_policy=AmbiguityPolicy(row.ambiguity_policy),
+                next_attempt_at=row.next_attempt_at,
                 lease_expires_at=row.lease_expires_at,
             ),
             claimed_by=row.claimed_by,
@@ -562,18 +574,33 @@ def sweep_expired_leases(
     return swept
 
 
-def expire(conn: sa.Connection, *, now: datetime) -> int:
-    """expire -- pending/retrying rows past ``expires_at`` -> expired (never sent)."""
-    stmt = (
-        sa.update(m)
+def expire(conn: sa.Connection, *, now: datetime, limit: int = 1000) -> list[Expired]:
+    """expire -- pending/retrying rows past ``expires_at`` -> expired (never sent).
+
+    Due rows are expired by the claim itself; this catches the ones not due yet. Rows a claim
+    holds locked are skipped (the claim expires them).
+    """
+    candidates = conn.execute(
+        sa.select(m.c.id, m.c.idempotency_key, m.c.category)
         .where(
             m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
             m.c.expires_at.is_not(None),
             m.c.expires_at <= now,
         )
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()
+    if not candidates:
+        return []
+    conn.execute(
+        sa.update(m)
+        .where(
+            m.c.id.in_([c.id for c in candidates]),
+            m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
+        )
         .values(status=Status.EXPIRED.value, updated_at=now)
     )
-    return int(conn.execute(stmt).rowcount)
+    return [Expired(id=c.id, key=c.idempotency_key, category=c.category) for c in candidates]
 
 
 # -- operator transitions ----------------------------------------------------------------

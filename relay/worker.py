@@ -28,6 +28,7 @@ from outbox.message import Email
 from outbox.schema import utcnow
 from relay import signals, store
 from relay.config import RelayConfig
+from relay.db import READ_COMMITTED
 from relay.policy import Action, Decision, decide
 from relay.ratelimit import SlidingWindowLimiter
 from relay.senders import (
@@ -176,9 +177,7 @@ class Relay:
                 now=now,
                 lease_seconds=self.config.lease_seconds,
             )
-        for gone in expired:
-            log.info("expired unsent", extra={"action": "expired", "message_id": gone.id})
-            signals.expired.send(self, message_id=gone.id, category=gone.category)
+        self._announce_expired(expired)
         poison: list[_Done] = []
         for claim in claims:
             signals.claimed.send(self, message_id=claim.id, category=claim.category)
@@ -314,10 +313,14 @@ class Relay:
         if time.monotonic() - self._last_expire < EXPIRE_INTERVAL:
             return
         with self.engine.begin() as conn:
-            count = store.expire(conn, now=now)
+            gone = store.expire(conn, now=now)
         self._last_expire = time.monotonic()
-        if count:
-            log.info("expired unsent", extra={"action": "expired", "count": count})
+        self._announce_expired(gone)
+
+    def _announce_expired(self, expired: list[store.Expired]) -> None:
+        for gone in expired:
+            log.info("expired unsent", extra={"action": "expired", "message_id": gone.id})
+            signals.expired.send(self, message_id=gone.id, category=gone.category)
 
     # -- heartbeat, drain, waiting ---------------------------------------------------------
 
@@ -327,6 +330,15 @@ class Relay:
             store.register(
                 conn, relay_id=self.relay_id, host=socket.gethostname(), pid=os.getpid(), now=now
             )
+            if conn.dialect.name in ("mysql", "mariadb"):
+                level = conn.get_isolation_level()
+                if level != READ_COMMITTED:
+                    log.warning(
+                        "engine runs at %s: concurrent claims will wait on gap locks; "
+                        "build it with relay.db.make_engine (READ COMMITTED)",
+                        level,
+                        extra={"action": "isolation_level"},
+                    )
         self._last_heartbeat = time.monotonic()
         log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
 
@@ -383,8 +395,8 @@ class Relay:
             return
         now = self.clock()
         with self.engine.begin() as conn:
-            for claim, _email in self._ready:
-                store.release(conn, message_id=claim.id, claim_token=claim.claim_token, now=now)
+            for token, ids in _by_token(claim for claim, _email in self._ready).items():
+                store.release_unstarted(conn, ids=ids, claim_token=token, now=now)
         for claim, _email in self._ready:
             log.info("released unstarted", extra={"action": "released", "message_id": claim.id})
             signals.released.send(self, message_id=claim.id, category=claim.category)

@@ -353,7 +353,7 @@ def test_relay_survives_its_connections_being_killed(server_backend):
                     rows_ = (
                         conn.exec_driver_sql(
                             "SELECT id FROM information_schema.processlist "
-                            "WHERE db = DATABASE() AND id <> %s" % int(own)
+                            f"WHERE db = DATABASE() AND id <> {int(own)}"
                         )
                         .scalars()
                         .all()

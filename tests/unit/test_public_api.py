@@ -51,6 +51,7 @@ EXPORTS = {
     ],
     "relay.testing": ["FakeSender", "read_deliveries", "sender_from_env"],
     "relay.worker": ["Relay"],
+    "relay.db": ["READ_COMMITTED", "make_engine"],
 }
 
 
