@@ -88,11 +88,35 @@ def _option(name: str, **kw: Any) -> Callable[[F], F]:
     return click.option(name, envvar=env, show_envvar=True, show_default=True, **kw)
 
 
-def build_sender(spec: str, config: RelayConfig) -> Sender:
-    """``console``, or ``package.module:factory`` for a sender of your own (called with no
-    arguments; configure it from the environment)."""
+class _Rate(click.ParamType[Any]):
+    name = "RATE|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is None or value == "auto" or isinstance(value, float):
+            return value
+        try:
+            return float(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+
+
+RATE = _Rate()
+
+
+def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sender:
+    """``ses``, ``console``, or ``package.module:factory`` for a sender of your own (called
+    with no arguments; configure it from the environment)."""
     if spec == "console":
         return ConsoleSender()
+    if spec == "ses":
+        try:
+            from relay.senders.ses import SesSender, build_client
+        except ImportError as exc:
+            raise ConfigurationError(
+                "--sender", f"ses needs boto3 ({exc}): pip install 'sqlalchemy-outbox[ses]'"
+            ) from None
+        client = build_client(send_timeout=config.send_timeout, concurrency=config.concurrency)
+        return SesSender(client, configuration_set=options.get("ses_configuration_set"))
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
@@ -119,7 +143,12 @@ def build_sender(spec: str, config: RelayConfig) -> Sender:
 
 @main.command()
 @database_url
-@_option("--sender", default="console", help="console, or package.module:factory.")
+@_option("--sender", default="console", help="ses, console, or package.module:factory.")
+@_option(
+    "--ses-configuration-set",
+    default=None,
+    help="SES configuration set for mail that names none (events, dedicated IPs).",
+)
 @_option("--concurrency", type=int, default=8, help="Sends in flight at once (threads).")
 @_option("--batch-size", type=int, default=50, help="Most messages claimed per statement.")
 @_option("--lease-seconds", type=float, default=120.0, help="How long a claim is held.")
@@ -127,15 +156,22 @@ def build_sender(spec: str, config: RelayConfig) -> Sender:
 @_option("--poll-interval", type=float, default=1.0, help="Seconds between polls when idle.")
 @_option(
     "--max-send-rate",
-    type=float,
+    type=RATE,
     default=None,
-    help="Recipients per second, over any one-second window (default: no limit).",
+    help="Recipients per second, shared by all live relays, over any one-second window; "
+    "'auto' reads the SES account's MaxSendRate (default: no limit).",
 )
 @_option(
     "--drain-seconds",
     type=float,
     default=45.0,
     help="On SIGTERM, how long sends in flight get to finish.",
+)
+@_option(
+    "--pause-seconds",
+    type=float,
+    default=60.0,
+    help="While the provider has sending paused, probe with one message this often.",
 )
 @_option("--exit-when-idle", is_flag=True, help="Drain what is due, then exit 0.")
 @_option(
@@ -154,9 +190,10 @@ def run(**options: Any) -> None:
     logs.configure(options.pop("log_level"))
     if options["relay_id"] is None:
         options.pop("relay_id")
+    sender_options = {"ses_configuration_set": options.pop("ses_configuration_set")}
     try:
         config = RelayConfig(**options)
-        sender = build_sender(config.sender, config)
+        sender = build_sender(config.sender, config, sender_options)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from None
     engine = _engine(config.database_url)

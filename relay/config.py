@@ -7,6 +7,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 import sqlalchemy as sa
 from sqlalchemy.exc import ArgumentError
@@ -32,8 +33,9 @@ class RelayConfig:
     lease_seconds: float = 120.0
     send_timeout: float = 20.0
     poll_interval: float = 1.0
-    max_send_rate: float | None = None
+    max_send_rate: float | Literal["auto"] | None = None
     drain_seconds: float = 45.0
+    pause_seconds: float = 60.0
     exit_when_idle: bool = False
     relay_id: str = field(default_factory=default_relay_id)
 
@@ -53,7 +55,8 @@ class RelayConfig:
         _positive("--lease-seconds", self.lease_seconds)
         _positive("--send-timeout", self.send_timeout)
         _positive("--poll-interval", self.poll_interval)
-        if self.max_send_rate is not None:
+        _positive("--pause-seconds", self.pause_seconds)
+        if self.max_send_rate is not None and self.max_send_rate != "auto":
             _positive("--max-send-rate", self.max_send_rate)
         if not (isinstance(self.drain_seconds, int | float) and self.drain_seconds >= 0):
             raise ConfigurationError("--drain-seconds", "must be zero or a positive number")

@@ -39,6 +39,7 @@ __all__ = [
     "finalize_sent",
     "heartbeat",
     "hold_unknown",
+    "live_relays",
     "mark_send_started",
     "record_attempts",
     "register",
@@ -663,6 +664,23 @@ def heartbeat(conn: sa.Connection, *, relay_id: str, now: datetime, state: str) 
         sa.update(relays).where(relays.c.relay_id == relay_id).values(heartbeat_at=now, state=state)
     )
     return conn.execute(stmt).rowcount == 1
+
+
+LIVE_STATES = ("running", "paused", "draining")
+
+
+def live_relays(conn: sa.Connection, *, now: datetime, within: float) -> int:
+    """live_relays -- How many relays heartbeated in the last ``within`` seconds (at least 1:
+    the caller is one)."""
+    stmt = (
+        sa.select(sa.func.count())
+        .select_from(relays)
+        .where(
+            relays.c.state.in_(LIVE_STATES),
+            relays.c.heartbeat_at >= now - timedelta(seconds=within),
+        )
+    )
+    return max(1, int(conn.execute(stmt).scalar_one()))
 
 
 def stop(conn: sa.Connection, *, relay_id: str, now: datetime) -> None:

@@ -30,7 +30,7 @@ from relay import signals, store
 from relay.config import RelayConfig
 from relay.db import READ_COMMITTED
 from relay.policy import Action, Decision, decide
-from relay.ratelimit import SlidingWindowLimiter
+from relay.ratelimit import RateController, SlidingWindowLimiter
 from relay.senders import (
     Accepted,
     Ambiguous,
@@ -47,6 +47,7 @@ __all__ = ["Relay"]
 log = logging.getLogger("relay")
 
 EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
+AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 
 _OUTCOME_NAMES: dict[type, str] = {
     Accepted: "accepted",
@@ -104,7 +105,8 @@ class Relay:
         self.config = config
         self.clock = clock
         self.relay_id = config.relay_id
-        self.limiter = SlidingWindowLimiter(config.max_send_rate)
+        self.limiter = SlidingWindowLimiter(None)
+        self.rate = RateController(self.limiter, self._total_rate())
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="outbox-send")
@@ -112,6 +114,8 @@ class Relay:
         self._ready: list[tuple[store.Claim, Email]] = []  # claimed, not yet started
         self._unsaved: list[_Done] = []  # finished sends whose finalize has not committed yet
         self._last_heartbeat = 0.0
+        self._paused_until: float | None = None  # monotonic; None when not paused
+        self._probing = False
         self._last_expire = 0.0
         self._db_failures = 0
         self.state = "running"
@@ -130,6 +134,27 @@ class Relay:
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+    @property
+    def paused(self) -> bool:
+        """True while sending is paused (account paused, bad credentials, daily quota)."""
+        return self._paused_until is not None
+
+    def _total_rate(self) -> float | None:
+        setting = self.config.max_send_rate
+        if setting != "auto":
+            return setting
+        probe = getattr(self.sender, "max_send_rate", None)
+        rate = probe() if callable(probe) else None
+        if rate is None:
+            log.warning(
+                "--max-send-rate auto: the sender reports no account rate; using %g/s",
+                AUTO_RATE_FALLBACK,
+                extra={"action": "send_rate"},
+            )
+            return AUTO_RATE_FALLBACK
+        log.info("account send rate %g/s", rate, extra={"action": "send_rate"})
+        return float(rate)
 
     def run(self) -> None:
         """Run until stopped or, with ``exit_when_idle``, until there is nothing left to do."""
@@ -155,6 +180,7 @@ class Relay:
     def step(self) -> bool:
         """One pass of the loop; True if it did any work (so the next pass follows at once)."""
         now = self.clock()
+        self.rate.tick()
         self._heartbeat(now)
         busy = self._finalize()
         self._extend_leases(now)
@@ -167,6 +193,11 @@ class Relay:
     def _claim(self, now: datetime) -> bool:
         free = self.config.concurrency - len(self._in_flight) - len(self._ready)
         limit = min(free, self.config.batch_size, int(min(self.limiter.available(), 1e9)))
+        if self._paused_until is not None:
+            if self._probing or time.monotonic() < self._paused_until or self._in_flight:
+                return False
+            self._probing = True  # one message tells whether sending works again
+            limit = min(limit, 1)
         if limit <= 0:
             return False
         with self.engine.begin() as conn:
@@ -278,7 +309,41 @@ class Relay:
         self._unsaved.clear()
         for done, ok in zip(batch, applied, strict=True):
             self._announce(done.claim, done.decision, applied=ok)
+            self._react(done.outcome)
         return True
+
+    def _react(self, outcome: Outcome | None) -> None:
+        """Adapt the relay to what the provider said: slow down, pause, resume."""
+        match outcome:
+            case Transient(throttled=True):
+                self.rate.on_throttle()
+            case Disabled(pause=True, code=code):
+                self._pause(self.config.pause_seconds, code)
+            case Permanent(config_error=True, code=code):
+                log.error(
+                    "sending is misconfigured: %s",
+                    code,
+                    extra={"action": "config_error", "code": code},
+                )
+        if self._probing and not isinstance(outcome, Disabled):
+            self._probing = False
+            self._paused_until = None
+            self.state = "running"
+            log.warning("sending works again; resuming", extra={"action": "resumed"})
+
+    def _pause(self, seconds: float, code: str) -> None:
+        first = self._paused_until is None
+        self._paused_until = time.monotonic() + seconds
+        self._probing = False
+        self.state = "paused"
+        self._last_heartbeat = 0.0  # show the pause in outbox_relays at once
+        log.error(
+            "sending paused by the provider (%s); probing again in %gs",
+            code,
+            seconds,
+            extra={"action": "paused" if first else "still_paused", "code": code},
+        )
+        self._release_ready()
 
     def _extend_leases(self, now: datetime) -> None:
         half = timedelta(seconds=self.config.lease_seconds / 2)
@@ -354,6 +419,9 @@ class Relay:
                     pid=os.getpid(),
                     now=now,
                 )
+            if self.rate.total is not None:
+                within = 3 * self.config.heartbeat_interval
+                self.rate.set_replicas(store.live_relays(conn, now=now, within=within))
         self._last_heartbeat = time.monotonic()
 
     def _deregister(self) -> None:
@@ -404,12 +472,16 @@ class Relay:
 
     def _idle(self) -> bool:
         """Nothing held, and the last claim was not cut short by the rate limit."""
-        busy = self._in_flight or self._ready or self._unsaved
+        busy = self._in_flight or self._ready or self._unsaved or self.paused
         return not busy and self.limiter.available() >= 1
 
     def _wait(self) -> None:
         if self._ready or self.limiter.available() < 1:  # waiting for the rate limit only
             timeout = max(0.005, self.limiter.seconds_until_available())
+        elif self._paused_until is not None and not self._probing:
+            timeout = max(
+                0.005, min(self.config.poll_interval, self._paused_until - time.monotonic())
+            )
         else:
             timeout = self.config.poll_interval * random.uniform(0.8, 1.2)
         self._wake.wait(timeout)

@@ -57,10 +57,15 @@ class Transient:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Permanent:
-    """The provider refused the message; sending it again would fail the same way."""
+    """The provider refused the message; sending it again would fail the same way.
+
+    ``config_error`` marks a refusal caused by the sending setup (an unverified MAIL FROM
+    domain, a missing configuration set): logged at error level, since every message will
+    fail the same way until someone fixes it."""
 
     code: str
     message: str = ""
+    config_error: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,10 +79,15 @@ class Ambiguous:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Disabled:
     """The sender cannot send now for a reason that is not this message's fault (sending
-    disabled or paused); the message goes back untouched, no attempt counted."""
+    disabled or paused); the message goes back untouched, no attempt counted.
+
+    With ``pause`` the whole relay pauses (the account is paused or suspended, credentials
+    are refused, the daily quota is used up): it stops claiming, gives back what it holds, and
+    sends one probe message every ``--pause-seconds`` to see whether sending works again."""
 
     code: str
     message: str = ""
+    pause: bool = False
 
 
 Outcome = Accepted | Transient | Permanent | Ambiguous | Disabled

@@ -380,3 +380,40 @@ def test_relay_survives_its_connections_being_killed(server_backend):
         # the message was never handed to the sender.
         assert state[mid] == "sent" or (state[mid] == "unknown_outcome" and mid not in counts)
     assert sum(1 for s in state.values() if s == "sent") >= len(ids) - kills
+
+
+def test_pause_releases_without_attempts_and_resumes_by_itself(backend):
+    """The provider says sending is paused: the relay gives the message back untouched,
+    shows itself paused, probes with one message at a time, and resumes when a send works."""
+    ids = enqueue(backend.engine, 6)
+    paused = threading.Event()
+    paused.set()
+    probes: list[int] = []
+
+    def account(message: OutgoingMessage):
+        if paused.is_set():
+            probes.append(message.id)
+            return Disabled(code="AccountSendingPausedException", pause=True)
+        return Accepted(provider_message_id=f"ses-{message.id}")
+
+    sender = FakeSender(account)
+    relay = relay_for(backend, sender, concurrency=3, pause_seconds=0.2, exit_when_idle=True)
+    runner = threading.Thread(target=relay.run)
+    runner.start()
+    deadline = time.monotonic() + 10
+    while len(probes) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert relay.paused
+    with backend.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT state FROM outbox_relays")).scalar_one() == "paused"
+        attempted = conn.execute(sa.select(sa.func.max(messages.c.attempt_count))).scalar_one()
+        assert attempted == 0
+    assert set(statuses(backend.engine).values()) <= {"pending", "processing"}
+    paused.clear()
+    runner.join(15)
+    assert not runner.is_alive()
+    assert not relay.paused
+    assert set(statuses(backend.engine).values()) == {"sent"}
+    assert [row(backend.engine, i).attempt_count for i in ids] == [1] * len(ids)
+    assert [row(backend.engine, i).provider_message_id for i in ids] == [f"ses-{i}" for i in ids]
+    assert len(sender.calls) == len(probes) + len(ids)

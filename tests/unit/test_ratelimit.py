@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.ratelimit import SlidingWindowLimiter
+from relay.ratelimit import RateController, SlidingWindowLimiter
 
 
 class Clock:
@@ -145,3 +146,54 @@ def test_no_window_ever_holds_more_than_the_rate(rate, steps):
     for start, _ in taken:
         window = [n for t, n in taken if start <= t < start + 1000]
         assert sum(window) <= rate or len(window) == 1
+
+
+class Tick:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_rate_controller_splits_the_total_between_live_relays():
+
+    limiter = SlidingWindowLimiter(None)
+    controller = RateController(limiter, 90.0)
+    assert limiter.rate == 90.0
+    controller.set_replicas(3)
+    assert limiter.rate == 30.0
+    controller.set_replicas(0)  # never divide by zero: this relay is alive
+    assert limiter.rate == 90.0
+    controller.set_total(None)
+    assert limiter.rate is None
+
+
+def test_rate_controller_halves_on_throttling_and_recovers_linearly():
+
+    clock = Tick()
+    limiter = SlidingWindowLimiter(None, clock=clock)
+    controller = RateController(limiter, 100.0, clock=clock)
+    controller.on_throttle()
+    assert limiter.rate == 50.0
+    controller.on_throttle()
+    assert limiter.rate == 25.0
+    clock.t += 5.0
+    controller.tick()
+    assert limiter.rate == pytest.approx(50.0)  # +5% of the share per second
+    clock.t += 100.0
+    controller.tick()
+    assert limiter.rate == 100.0
+    for _ in range(20):
+        controller.on_throttle()
+    assert limiter.rate == pytest.approx(100.0 * RateController.FLOOR)
+
+
+def test_a_rate_below_one_per_second_widens_the_window():
+    clock = Tick()
+    limiter = SlidingWindowLimiter(0.25, clock=clock)
+    assert limiter.try_take(1)
+    clock.t += 3.9
+    assert not limiter.try_take(1)
+    clock.t += 0.2
+    assert limiter.try_take(1)
