@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import click
 import sqlalchemy as sa
@@ -85,7 +85,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _option(name: str, **kw: Any) -> Callable[[F], F]:
     env = "OUTBOX_" + name.lstrip("-").replace("-", "_").upper()
-    return click.option(name, envvar=env, show_envvar=True, show_default=True, **kw)
+    kw.setdefault("show_default", True)
+    return click.option(name, envvar=env, show_envvar=True, **kw)
 
 
 class _Rate(click.ParamType[Any]):
@@ -117,6 +118,21 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
             ) from None
         client = build_client(send_timeout=config.send_timeout, concurrency=config.concurrency)
         return SesSender(client, configuration_set=options.get("ses_configuration_set"))
+    if spec == "smtp":
+        from relay.senders.smtp import SmtpSender
+
+        if not options.get("smtp_host"):
+            raise ConfigurationError("--smtp-host", "required with --sender smtp")
+        security: Literal["starttls", "ssl", "none"] = options.get("smtp_security") or "starttls"
+        port = options.get("smtp_port") or (465 if security == "ssl" else 587)
+        return SmtpSender(
+            options["smtp_host"],
+            port,
+            security=security,
+            username=options.get("smtp_username"),
+            password=options.get("smtp_password"),
+            timeout=config.send_timeout,
+        )
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
@@ -143,12 +159,22 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
 
 @main.command()
 @database_url
-@_option("--sender", default="console", help="ses, console, or package.module:factory.")
+@_option("--sender", default="console", help="ses, smtp, console, or package.module:factory.")
 @_option(
     "--ses-configuration-set",
     default=None,
     help="SES configuration set for mail that names none (events, dedicated IPs).",
 )
+@_option("--smtp-host", default=None, help="SMTP server, with --sender smtp.")
+@_option("--smtp-port", type=int, default=None, help="SMTP port [default: 465 for ssl, else 587].")
+@_option(
+    "--smtp-security",
+    type=click.Choice(["starttls", "ssl", "none"]),
+    default="starttls",
+    help="How the SMTP connection is encrypted.",
+)
+@_option("--smtp-username", default=None, help="SMTP user, if the server needs AUTH.")
+@_option("--smtp-password", default=None, show_default=False, help="SMTP password.")
 @_option("--concurrency", type=int, default=8, help="Sends in flight at once (threads).")
 @_option("--batch-size", type=int, default=50, help="Most messages claimed per statement.")
 @_option("--lease-seconds", type=float, default=120.0, help="How long a claim is held.")
@@ -190,7 +216,9 @@ def run(**options: Any) -> None:
     logs.configure(options.pop("log_level"))
     if options["relay_id"] is None:
         options.pop("relay_id")
-    sender_options = {"ses_configuration_set": options.pop("ses_configuration_set")}
+    sender_options = {
+        name: options.pop(name) for name in list(options) if name.startswith(("ses_", "smtp_"))
+    }
     try:
         config = RelayConfig(**options)
         sender = build_sender(config.sender, config, sender_options)
@@ -220,6 +248,9 @@ def run(**options: Any) -> None:
     finally:
         if listener is not None:
             listener.stop()
+        close = getattr(sender, "close", None)
+        if callable(close) and not relay.in_flight:
+            close()
         engine.dispose()
     if relay.in_flight:  # drain deadline passed: do not wait on the sends' threads
         logging.shutdown()

@@ -1,0 +1,763 @@
+"""SmtpSender against a real SMTP server (aiosmtpd on 127.0.0.1), and the relay through it."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import email
+import email.policy
+import ipaddress
+import logging
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from email.message import EmailMessage
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import SMTP as SMTPServer
+from aiosmtpd.smtp import AuthResult, Envelope, LoginPassword, Session
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from sqlalchemy.orm import Session as DbSession
+
+from outbox import Attachment, Email, Outbox, Status
+from outbox.schema import attempts, messages
+from relay.config import RelayConfig
+from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
+from relay.senders.smtp import OUTBOX_ID_HEADER, SmtpSender
+from relay.worker import Relay
+
+USER, PASSWORD = "relay-user", "s3cret-pa55word"
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    mail_from: str
+    rcpt_tos: list[str]
+    peer: tuple[str, int]  # the client's address: one per connection
+    authenticated: bool
+    raw: bytes
+
+    @property
+    def message(self) -> EmailMessage:
+        return email.message_from_bytes(self.raw, policy=email.policy.default)
+
+
+@dataclass
+class Handler:
+    """An aiosmtpd handler that records what it accepts; its answers are set per test."""
+
+    received: list[Received] = field(default_factory=list)
+    mail_reply: str | None = None  # e.g. "553 5.7.1 sender not allowed"
+    rcpt_replies: dict[str, str] = field(default_factory=dict)  # address -> reply
+    data_reply: str | None = None
+    after_data: str | None = None  # "drop": close without a reply; "hang": never reply
+    release: asyncio.Event | None = None  # set at teardown to let hanging sessions end
+    rsets: int = 0
+
+    async def handle_MAIL(self, server, session, envelope, address, mail_options):
+        if self.mail_reply:
+            return self.mail_reply
+        envelope.mail_from = address
+        envelope.mail_options.extend(mail_options)
+        return "250 OK"
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+        reply = self.rcpt_replies.get(address)
+        if reply:
+            return reply
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
+
+    async def handle_RSET(self, server, session, envelope):
+        self.rsets += 1
+        return "250 OK"
+
+    async def handle_DATA(self, server: SMTPServer, session: Session, envelope: Envelope):
+        if self.data_reply:
+            return self.data_reply
+        assert isinstance(envelope.content, bytes)
+        self.received.append(
+            Received(
+                envelope.mail_from,
+                list(envelope.rcpt_tos),
+                session.peer,
+                bool(session.authenticated),
+                envelope.content,
+            )
+        )
+        if self.after_data == "drop":  # queued, but the answer never makes it back
+            assert server.transport is not None
+            server.transport.close()  # the "250" below goes nowhere
+        if self.after_data == "hang":
+            self.release = self.release or asyncio.Event()
+            await self.release.wait()
+        return "250 2.0.0 queued"
+
+
+class _Controller(Controller):
+    """aiosmtpd's threaded controller on an ephemeral port (it pokes its own port to start
+    the server, so it must learn the port the OS picked before it does)."""
+
+    def _trigger_server(self):
+        assert self.server is not None
+        self.port = self.server.sockets[0].getsockname()[1]
+        super()._trigger_server()
+
+
+@dataclass
+class Server:
+    handler: Handler
+    controller: _Controller
+
+    @property
+    def port(self) -> int:
+        return self.controller.port
+
+    def unhang(self) -> None:
+        release = self.handler.release
+        if release is not None:
+            self.controller.loop.call_soon_threadsafe(release.set)
+
+
+@pytest.fixture
+def start_server():
+    servers: list[Server] = []
+
+    def start(handler: Handler | None = None, **smtp_kwargs) -> Server:
+        controller = _Controller(
+            handler or Handler(),
+            hostname="127.0.0.1",
+            port=0,
+            server_hostname="mx.test",
+            ready_timeout=5.0,
+            **smtp_kwargs,
+        )
+        controller.start()
+        server = Server(controller.handler, controller)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.unhang()
+        server.controller.stop()
+
+
+@pytest.fixture
+def server(start_server) -> Server:
+    return start_server()
+
+
+@pytest.fixture
+def make_sender():
+    senders: list[SmtpSender] = []
+
+    def make(port: int, **kw) -> SmtpSender:
+        kw.setdefault("security", "none")
+        kw.setdefault("timeout", 5.0)
+        sender = SmtpSender("127.0.0.1", port, local_hostname="relay.test", **kw)
+        senders.append(sender)
+        return sender
+
+    yield make
+    for sender in senders:
+        sender.close()
+
+
+def authenticator(accept: threading.Event | None = None, echo: bool = False):
+    """Accepts USER/PASSWORD (while ``accept`` is set, if given)."""
+
+    def check(server, session, envelope, mechanism, auth_data):
+        assert isinstance(auth_data, LoginPassword)
+        good = (auth_data.login, auth_data.password) == (USER.encode(), PASSWORD.encode())
+        if good and (accept is None or accept.is_set()):
+            return AuthResult(success=True)
+        if echo:  # a server that repeats what it got: it must not reach the outcome
+            return AuthResult(
+                success=False,
+                handled=False,
+                message=f"535 5.7.8 bad credentials {auth_data.password.decode()}",
+            )
+        return AuthResult(success=False, handled=False)
+
+    return check
+
+
+# -- TLS material ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tls:
+    server: ssl.SSLContext
+    client: ssl.SSLContext  # trusts exactly the test certificate
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> Tls:
+    """A self-signed certificate for 127.0.0.1 (IP SAN), made here with ``cryptography``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "outbox test smtp")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    folder: Path = tmp_path_factory.mktemp("tls")
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert_file, key_file)
+    client = ssl.create_default_context(cafile=str(cert_file))
+    return Tls(server=server, client=client)
+
+
+# -- messages --------------------------------------------------------------------------------
+
+
+def outgoing(n: int = 1, **fields) -> OutgoingMessage:
+    values = {
+        "sender": "Shop <shop@example.com>",
+        "to": [f"customer{n}@example.com"],
+        "subject": f"Order {n}",
+        "text": f"Thanks for order {n}.",
+    }
+    values.update(fields)
+    return OutgoingMessage(
+        id=n, key=f"order:{n}", category="transactional", attempt=1, email=Email(**values)
+    )
+
+
+def wait_for(predicate, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+# -- delivery and content ------------------------------------------------------------------
+
+
+def test_message_arrives_with_headers_envelope_and_attachments(server, make_sender):
+    sender = make_sender(server.port)
+    message = outgoing(
+        7,
+        to=["Ada <ada@example.com>"],
+        cc=["bob@example.com"],
+        bcc=["audit@example.org"],
+        reply_to=["help@example.com"],
+        subject="Your order #7",
+        text="plain body",
+        html="<p>html body</p>",
+        headers={"X-Ref": "order-7"},
+        attachments=[
+            Attachment(
+                filename="invoice.pdf", content=b"%PDF-1.4 fake", content_type="application/pdf"
+            )
+        ],
+    )
+
+    outcome = sender.send(message)
+
+    assert isinstance(outcome, Accepted)
+    (got,) = server.handler.received
+    assert got.mail_from == "shop@example.com"
+    assert got.rcpt_tos == ["ada@example.com", "bob@example.com", "audit@example.org"]
+    mime = got.message
+    assert mime["Subject"] == "Your order #7"
+    assert mime["From"] == "Shop <shop@example.com>"
+    assert mime["To"] == "Ada <ada@example.com>"
+    assert mime["Cc"] == "bob@example.com"
+    assert mime["Reply-To"] == "help@example.com"
+    assert mime["X-Ref"] == "order-7"
+    assert "Bcc" not in mime
+    assert b"audit@example.org" not in got.raw
+    assert mime[OUTBOX_ID_HEADER] == "7"
+    assert mime["Date"] is not None
+    assert mime["Message-ID"].endswith("@example.com>")
+    assert outcome.provider_message_id == mime["Message-ID"]
+    assert mime.get_body(("plain",)).get_content().rstrip() == "plain body"
+    assert mime.get_body(("html",)).get_content().rstrip() == "<p>html body</p>"
+    (attachment,) = mime.iter_attachments()
+    assert attachment.get_filename() == "invoice.pdf"
+    assert attachment.get_content_type() == "application/pdf"
+    assert attachment.get_content() == b"%PDF-1.4 fake"
+
+
+def test_a_message_id_given_by_the_app_is_kept(server, make_sender):
+    sender = make_sender(server.port)
+    outcome = sender.send(outgoing(headers={"Message-ID": "<order-1@shop.example.com>"}))
+    assert outcome == Accepted(provider_message_id="<order-1@shop.example.com>")
+    (got,) = server.handler.received
+    assert got.message.get_all("Message-ID") == ["<order-1@shop.example.com>"]
+
+
+def test_a_long_message_id_is_cut_to_fit_the_provider_id_column(server, make_sender):
+    long_id = "<" + "x" * 300 + "@shop.example.com>"
+    sender = make_sender(server.port)
+    outcome = sender.send(outgoing(headers={"Message-ID": long_id}))
+    assert outcome == Accepted(provider_message_id=long_id[:255])
+    assert server.handler.received[0].message["Message-ID"] == long_id
+
+
+def test_duplicate_recipients_get_one_rcpt(server, make_sender):
+    sender = make_sender(server.port)
+    outcome = sender.send(outgoing(to=["a@example.com"], cc=["a@example.com", "b@example.com"]))
+    assert isinstance(outcome, Accepted)
+    assert server.handler.received[0].rcpt_tos == ["a@example.com", "b@example.com"]
+
+
+def test_template_email_is_permanent_and_nothing_is_sent(server, make_sender):
+    sender = make_sender(server.port)
+    message = OutgoingMessage(
+        id=1,
+        key="k",
+        category="transactional",
+        attempt=1,
+        email=Email(sender="shop@example.com", to=["a@example.com"], template="welcome"),
+    )
+    outcome = sender.send(message)
+    assert isinstance(outcome, Permanent)
+    assert outcome.code == "template_not_supported_by_smtp"
+    assert server.handler.received == []
+    assert sender.open_connections == 0
+
+
+# -- connections ---------------------------------------------------------------------------
+
+
+def test_one_connection_is_reused_for_several_sends(server, make_sender):
+    sender = make_sender(server.port)
+    outcomes = [sender.send(outgoing(n)) for n in range(1, 6)]
+    assert all(isinstance(o, Accepted) for o in outcomes)
+    assert len({o.provider_message_id for o in outcomes}) == 5
+    peers = {got.peer for got in server.handler.received}
+    assert len(server.handler.received) == 5
+    assert len(peers) == 1
+    assert server.handler.rsets == 4  # checked before each reuse
+    assert sender.open_connections == 1
+
+
+def test_a_connection_the_server_closed_is_reopened(start_server, make_sender):
+    server = start_server(timeout=0.3)  # the server hangs up on idle clients after 0.3 s
+    sender = make_sender(server.port)
+    assert isinstance(sender.send(outgoing(1)), Accepted)
+    time.sleep(0.6)
+    assert isinstance(sender.send(outgoing(2)), Accepted)
+    first, second = server.handler.received
+    assert first.peer != second.peer
+    assert sender.open_connections == 1
+
+
+def test_concurrent_sends_from_four_threads_arrive_exactly_once(server, make_sender):
+    sender = make_sender(server.port)
+    start = threading.Barrier(4)
+    outcomes: dict[int, object] = {}
+
+    def worker(t: int) -> None:
+        start.wait()
+        for i in range(10):
+            n = t * 100 + i
+            outcomes[n] = sender.send(outgoing(n))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(1, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert all(isinstance(o, Accepted) for o in outcomes.values())
+    assert len(outcomes) == 40
+    ids = Counter(got.message[OUTBOX_ID_HEADER] for got in server.handler.received)
+    assert ids == Counter({str(n): 1 for n in outcomes})
+    assert len({got.peer for got in server.handler.received}) == 4  # one connection per thread
+    for got in server.handler.received:  # each body went with its own envelope
+        assert got.rcpt_tos == [f"customer{got.message[OUTBOX_ID_HEADER]}@example.com"]
+
+
+def test_connections_of_finished_threads_are_closed(server, make_sender):
+    sender = make_sender(server.port)
+    thread = threading.Thread(target=sender.send, args=(outgoing(1),))
+    thread.start()
+    thread.join()
+    assert sender.open_connections == 1
+    assert isinstance(sender.send(outgoing(2)), Accepted)  # this thread's own connection
+    assert sender.open_connections == 1
+    sender.close()
+    assert sender.open_connections == 0
+    assert isinstance(sender.send(outgoing(3)), Accepted)  # reopens after close()
+    assert len({got.peer for got in server.handler.received}) == 3
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("where", "reply", "expected"),
+    [
+        ("mail", "553 5.7.1 sender not allowed", Permanent(code="smtp_553", config_error=True)),
+        ("mail", "451 4.3.0 try later", Transient(code="smtp_451")),
+        ("rcpt", "550 5.1.1 no such user", Permanent(code="smtp_550")),
+        ("rcpt", "451 4.7.1 greylisted", Transient(code="smtp_451")),
+        ("rcpt", "421 4.3.2 shutting down", Transient(code="smtp_421")),
+        ("data", "554 5.6.0 message refused", Permanent(code="smtp_554")),
+        ("data", "451 4.3.0 local error", Transient(code="smtp_451")),
+        ("data", "421 4.3.2 closing", Transient(code="smtp_421")),
+    ],
+)
+def test_refusals_are_classified_by_reply_code(server, make_sender, where, reply, expected):
+    if where == "mail":
+        server.handler.mail_reply = reply
+    elif where == "rcpt":
+        server.handler.rcpt_replies["customer1@example.com"] = reply
+    else:
+        server.handler.data_reply = reply
+    sender = make_sender(server.port)
+
+    outcome = sender.send(outgoing(1))
+
+    assert type(outcome) is type(expected)
+    assert outcome.code == expected.code
+    assert getattr(outcome, "config_error", False) == getattr(expected, "config_error", False)
+    assert reply.split(" ", 2)[2] in outcome.message
+    assert server.handler.received == []
+    # the sender recovers: the next message goes through (on a new connection after a 421)
+    server.handler.mail_reply = server.handler.data_reply = None
+    server.handler.rcpt_replies.clear()
+    assert isinstance(sender.send(outgoing(2)), Accepted)
+
+
+def test_partial_refusal_is_accepted_and_logged_without_addresses(server, make_sender, caplog):
+    server.handler.rcpt_replies["gone@example.com"] = "550 5.1.1 no such user"
+    sender = make_sender(server.port)
+    caplog.set_level(logging.WARNING, logger="relay")
+
+    outcome = sender.send(outgoing(3, to=["ok@example.com", "gone@example.com"]))
+
+    (got,) = server.handler.received
+    assert got.rcpt_tos == ["ok@example.com"]
+    assert outcome == Accepted(provider_message_id=got.message["Message-ID"])
+    (record,) = [r for r in caplog.records if getattr(r, "action", None) == "smtp_partial_refusal"]
+    assert record.levelno == logging.WARNING
+    assert record.message_id == 3
+    assert "1 of 2" in record.getMessage()
+    assert "gone@example.com" not in record.getMessage()
+
+
+# -- lost answers: before and after DATA ----------------------------------------------------
+
+
+def test_connection_dropped_after_data_is_ambiguous(server, make_sender):
+    server.handler.after_data = "drop"
+    sender = make_sender(server.port)
+
+    outcome = sender.send(outgoing(1))
+
+    assert isinstance(outcome, Ambiguous)
+    assert outcome.code == "smtp_connection_lost_after_data"
+    assert len(server.handler.received) == 1  # the server did queue it: a resend duplicates
+    server.handler.after_data = None
+    assert isinstance(sender.send(outgoing(2)), Accepted)  # a fresh connection
+
+
+def test_server_silent_after_data_times_out_as_ambiguous(server, make_sender):
+    server.handler.after_data = "hang"
+    sender = make_sender(server.port, timeout=0.5)
+
+    started = time.monotonic()
+    outcome = sender.send(outgoing(1))
+
+    assert 0.4 < time.monotonic() - started < 3
+    assert isinstance(outcome, Ambiguous)
+    assert outcome.code == "smtp_connection_lost_after_data"
+    assert sender.open_connections == 0  # a connection in an unknown state is not reused
+
+
+def test_server_silent_before_data_is_transient(make_sender):
+    """A listener that never greets: the client times out before anything was sent."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        sender = make_sender(silent.getsockname()[1], timeout=0.3)
+        outcome = sender.send(outgoing(1))
+    assert isinstance(outcome, Transient)
+    assert outcome.code == "smtp_connection_lost"
+    assert sender.open_connections == 0
+
+
+def test_connection_refused_is_transient(make_sender):
+    with socket.socket() as closed:  # bound, not listening: the kernel refuses connections
+        closed.bind(("127.0.0.1", 0))
+        sender = make_sender(closed.getsockname()[1])
+        outcome = sender.send(outgoing(1))
+    assert outcome == Transient(code="smtp_connection_refused", message=outcome.message)
+    assert "ConnectionRefusedError" in outcome.message
+
+
+def test_unknown_host_is_transient():
+    sender = SmtpSender("smtp.invalid", 2525, security="none", local_hostname="relay.test")
+    outcome = sender.send(outgoing(1))
+    assert isinstance(outcome, Transient)
+    assert outcome.code == "smtp_dns_error"
+
+
+# -- authentication --------------------------------------------------------------------------
+# Plain-text servers offer AUTH without requiring it: aiosmtpd warns (UserWarning, an error
+# here) when AUTH is required without TLS. Required AUTH is tested behind STARTTLS.
+
+
+def plain_auth_server(start_server, accept: threading.Event | None = None, echo: bool = False):
+    return start_server(auth_require_tls=False, authenticator=authenticator(accept, echo))
+
+
+def test_auth_with_good_credentials_sends(start_server, make_sender):
+    server = plain_auth_server(start_server)
+    sender = make_sender(server.port, username=USER, password=PASSWORD)
+    assert isinstance(sender.send(outgoing(1)), Accepted)
+    assert isinstance(sender.send(outgoing(2)), Accepted)
+    assert [got.authenticated for got in server.handler.received] == [True, True]
+    assert len({got.peer for got in server.handler.received}) == 1  # logged in once
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_bad_credentials_disable_and_pause_and_never_leak(start_server, make_sender, echo):
+    server = plain_auth_server(start_server, echo=echo)
+    wrong = "wrong-" + PASSWORD
+    sender = make_sender(server.port, username=USER, password=wrong)
+
+    outcome = sender.send(outgoing(1))
+
+    assert isinstance(outcome, Disabled)
+    assert outcome.code == "smtp_auth_failed"
+    assert outcome.pause is True
+    assert "535" in outcome.message
+    assert wrong not in outcome.message
+    assert ("***" in outcome.message) is echo  # the server echoed it: scrubbed
+    assert wrong not in repr(sender)
+    assert server.handler.received == []
+    assert sender.open_connections == 0
+
+
+def test_starttls_with_required_auth(start_server, make_sender, tls):
+    server = start_server(
+        tls_context=tls.server,
+        require_starttls=True,
+        auth_required=True,
+        authenticator=authenticator(),  # auth_require_tls stays on: AUTH only after STARTTLS
+    )
+    sender = make_sender(
+        server.port, security="starttls", ssl_context=tls.client, username=USER, password=PASSWORD
+    )
+    assert isinstance(sender.send(outgoing(1)), Accepted)
+    assert isinstance(sender.send(outgoing(2)), Accepted)
+    assert [got.authenticated for got in server.handler.received] == [True, True]
+    assert len({got.peer for got in server.handler.received}) == 1
+
+
+def test_no_credentials_for_a_server_requiring_auth_is_a_permanent_config_error(
+    start_server, make_sender, tls
+):
+    server = start_server(
+        tls_context=tls.server,
+        require_starttls=True,
+        auth_required=True,
+        authenticator=authenticator(),
+    )
+    sender = make_sender(server.port, security="starttls", ssl_context=tls.client)
+    outcome = sender.send(outgoing(1))
+    assert isinstance(outcome, Permanent)
+    assert outcome.code == "smtp_530"  # refused at MAIL FROM: every message fails the same way
+    assert outcome.config_error
+    assert server.handler.received == []
+
+
+def test_starttls_with_an_untrusted_certificate_is_transient(start_server, make_sender, tls):
+    server = start_server(tls_context=tls.server, require_starttls=True)
+    sender = make_sender(server.port, security="starttls")  # system CAs: self-signed fails
+    outcome = sender.send(outgoing(1))
+    assert isinstance(outcome, Transient)
+    assert outcome.code == "smtp_tls_error"
+    assert "CERTIFICATE_VERIFY_FAILED" in outcome.message
+    assert server.handler.received == []
+
+
+def test_starttls_required_but_not_offered_disables(server, make_sender, tls):
+    sender = make_sender(server.port, security="starttls", ssl_context=tls.client)
+    outcome = sender.send(outgoing(1))
+    assert isinstance(outcome, Disabled)
+    assert outcome.code == "smtp_not_supported"
+    assert outcome.pause is True
+    assert server.handler.received == []
+
+
+def test_implicit_tls(start_server, make_sender, tls):
+    server = start_server(ssl_context=tls.server)
+    sender = make_sender(server.port, security="ssl", ssl_context=tls.client)
+    assert isinstance(sender.send(outgoing(1)), Accepted)
+    assert isinstance(sender.send(outgoing(2)), Accepted)
+    assert len({got.peer for got in server.handler.received}) == 1
+
+
+def test_implicit_tls_against_a_plain_server_is_transient(server, make_sender, tls):
+    sender = make_sender(server.port, security="ssl", ssl_context=tls.client, timeout=2.0)
+    outcome = sender.send(outgoing(1))
+    assert isinstance(outcome, Transient)
+    assert outcome.code == "smtp_tls_error"
+
+
+# -- the relay, end to end -------------------------------------------------------------------
+
+
+OB = Outbox()
+
+
+def enqueue(engine, n: int) -> list[int]:
+    ids = []
+    with DbSession(engine) as session:
+        for i in range(n):
+            mail = Email(
+                sender="shop@example.com",
+                to=[f"c{i}@example.com"],
+                bcc=["archive@example.com"],
+                subject=f"#{i}",
+                text="hello",
+            )
+            ids.append(OB.enqueue(session, mail, key=f"smtp-e2e:{i}").id)
+        session.commit()
+    return ids
+
+
+def relay_for(backend, sender, **settings) -> Relay:
+    config = RelayConfig(
+        database_url=backend.url,
+        relay_id="smtp-relay",
+        **{
+            "poll_interval": 0.05,
+            "send_timeout": 2.0,
+            "lease_seconds": 10.0,
+            "drain_seconds": 5.0,
+            "concurrency": 3,
+            **settings,
+        },
+    )
+    return Relay(engine=backend.engine, sender=sender, config=config)
+
+
+def rows(engine):
+    with engine.connect() as conn:
+        return conn.execute(sa.select(messages).order_by(messages.c.id)).all()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_relay_delivers_the_backlog_over_smtp(backend, server, make_sender):
+    ids = enqueue(backend.engine, 5)
+    sender = make_sender(server.port)
+
+    relay_for(backend, sender, exit_when_idle=True).run()
+
+    received = Counter(int(got.message[OUTBOX_ID_HEADER]) for got in server.handler.received)
+    assert received == Counter({i: 1 for i in ids})
+    for got in server.handler.received:
+        assert got.rcpt_tos[-1] == "archive@example.com"
+        assert "Bcc" not in got.message
+    by_id = {
+        int(got.message[OUTBOX_ID_HEADER]): got.message["Message-ID"]
+        for got in server.handler.received
+    }
+    for row in rows(backend.engine):
+        assert row.status == Status.SENT
+        assert row.attempt_count == 1
+        assert row.provider_message_id == by_id[row.id]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_relay_pauses_on_bad_credentials_and_resumes(backend, start_server, make_sender):
+    accept = threading.Event()
+    server = plain_auth_server(start_server, accept)
+    ids = enqueue(backend.engine, 3)
+    sender = make_sender(server.port, username=USER, password=PASSWORD)
+    relay = relay_for(backend, sender, exit_when_idle=True, pause_seconds=0.2)
+    runner = threading.Thread(target=relay.run)
+    runner.start()
+    try:
+        wait_for(lambda: relay.paused)
+        with backend.engine.connect() as conn:
+            assert conn.execute(sa.select(sa.func.max(messages.c.attempt_count))).scalar() == 0
+            codes = conn.execute(sa.select(attempts.c.error_code).distinct()).scalars().all()
+        assert codes == ["smtp_auth_failed"]
+        assert server.handler.received == []
+        accept.set()
+    finally:
+        if not accept.is_set():
+            relay.request_stop()
+        runner.join(15)
+    assert not runner.is_alive()
+    assert [row.status for row in rows(backend.engine)] == [Status.SENT] * len(ids)
+    assert [row.attempt_count for row in rows(backend.engine)] == [1] * len(ids)
+    assert len(server.handler.received) == len(ids)
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_outbox_relay_run_with_the_smtp_flags(backend, server):
+    """The real CLI, as a process: --sender smtp with its flags from OUTBOX_* variables."""
+    ids = enqueue(backend.engine, 4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(
+        OUTBOX_DATABASE_URL=backend.url,
+        OUTBOX_SMTP_HOST="127.0.0.1",
+        OUTBOX_SMTP_PORT=str(server.port),
+        OUTBOX_SMTP_SECURITY="none",
+    )
+    relay = str(Path(sys.executable).with_name("outbox-relay"))
+    done = subprocess.run(
+        [relay, "run", "--sender", "smtp", "--exit-when-idle", "--send-timeout", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    received = Counter(int(got.message[OUTBOX_ID_HEADER]) for got in server.handler.received)
+    assert received == Counter({i: 1 for i in ids})
+    assert [row.status for row in rows(backend.engine)] == [Status.SENT] * len(ids)
+    missing = subprocess.run(
+        [relay, "run", "--sender", "smtp", "--database-url", backend.url],
+        env={k: v for k, v in env.items() if k != "OUTBOX_SMTP_HOST"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert missing.returncode == 2
+    assert "--smtp-host" in missing.stderr

@@ -1,0 +1,282 @@
+"""SmtpSender without a server: the classification table and the settings checks."""
+
+from __future__ import annotations
+
+import smtplib
+import socket
+import ssl
+
+import pytest
+
+from outbox.exceptions import ConfigurationError
+from relay.senders import Ambiguous, Disabled, Permanent, Sender, Transient
+from relay.senders import smtp as smtp_module
+from relay.senders.smtp import SmtpSender, classify
+
+A = "a@example.com"
+
+
+def refused(**codes: int) -> smtplib.SMTPRecipientsRefused:
+    return smtplib.SMTPRecipientsRefused(
+        {f"{name}@example.com": (code, b"reply") for name, code in codes.items()}
+    )
+
+
+CASES = [
+    # never connected, or refused while setting up the session: the message never left
+    (
+        ConnectionRefusedError(111, "Connection refused"),
+        False,
+        Transient,
+        "smtp_connection_refused",
+    ),
+    (socket.gaierror(-2, "Name or service not known"), False, Transient, "smtp_dns_error"),
+    (TimeoutError("timed out"), False, Transient, "smtp_timeout"),
+    (OSError(101, "Network is unreachable"), False, Transient, "smtp_network_error"),
+    (
+        ssl.SSLCertVerificationError(1, "certificate verify failed"),
+        False,
+        Transient,
+        "smtp_tls_error",
+    ),
+    (ssl.SSLError(1, "wrong version number"), False, Transient, "smtp_tls_error"),
+    (smtplib.SMTPConnectError(421, b"too busy"), False, Transient, "smtp_421"),
+    (smtplib.SMTPConnectError(554, b"no service"), False, Transient, "smtp_554"),
+    (smtplib.SMTPConnectError(-1, b"garbled greeting"), False, Transient, "smtp_connect_failed"),
+    (smtplib.SMTPHeloError(501, b"bad hostname"), False, Transient, "smtp_501"),
+    (
+        smtplib.SMTPServerDisconnected("Connection unexpectedly closed"),
+        False,
+        Transient,
+        "smtp_connection_lost",
+    ),
+    # the configuration is wrong: pause the relay, count no attempt
+    (
+        smtplib.SMTPAuthenticationError(535, b"5.7.8 bad credentials"),
+        False,
+        Disabled,
+        "smtp_auth_failed",
+    ),
+    (
+        smtplib.SMTPAuthenticationError(534, b"5.7.9 mechanism too weak"),
+        False,
+        Disabled,
+        "smtp_auth_failed",
+    ),
+    (
+        smtplib.SMTPNotSupportedError("STARTTLS extension not supported"),
+        False,
+        Disabled,
+        "smtp_not_supported",
+    ),
+    # a temporary authentication failure is just transient
+    (smtplib.SMTPAuthenticationError(454, b"4.7.0 try later"), False, Transient, "smtp_454"),
+    # the server answered: 4xx transient, 5xx permanent
+    (smtplib.SMTPSenderRefused(553, b"not yours", A), False, Permanent, "smtp_553"),
+    (smtplib.SMTPSenderRefused(451, b"try later", A), False, Transient, "smtp_451"),
+    (smtplib.SMTPSenderRefused(421, b"closing", A), False, Transient, "smtp_421"),
+    (refused(a=550, b=553), False, Permanent, "smtp_550"),
+    (refused(a=550, b=451), False, Transient, "smtp_451"),
+    (refused(a=421), False, Transient, "smtp_421"),
+    (refused(), False, Transient, "smtp_recipients_refused"),
+    (smtplib.SMTPDataError(554, b"spam"), True, Permanent, "smtp_554"),
+    (smtplib.SMTPDataError(552, b"too big"), True, Permanent, "smtp_552"),
+    (smtplib.SMTPDataError(451, b"local error"), True, Transient, "smtp_451"),
+    (smtplib.SMTPDataError(421, b"closing"), True, Transient, "smtp_421"),
+    (smtplib.SMTPDataError(503, b"need RCPT"), False, Permanent, "smtp_503"),
+    (smtplib.SMTPResponseException(550, b"no"), False, Permanent, "smtp_550"),
+    # a reply that is no error code: ambiguous once DATA was sent
+    (smtplib.SMTPDataError(-1, b"garbled"), False, Transient, "smtp_unexpected_reply"),
+    (smtplib.SMTPDataError(-1, b"garbled"), True, Ambiguous, "smtp_unexpected_reply"),
+    # no answer after DATA: the server may have queued it
+    (
+        smtplib.SMTPServerDisconnected("Connection unexpectedly closed: timed out"),
+        True,
+        Ambiguous,
+        "smtp_connection_lost_after_data",
+    ),
+    (TimeoutError("timed out"), True, Ambiguous, "smtp_connection_lost_after_data"),
+    (
+        ConnectionResetError(104, "reset by peer"),
+        True,
+        Ambiguous,
+        "smtp_connection_lost_after_data",
+    ),
+    (ssl.SSLError(1, "bad record mac"), True, Ambiguous, "smtp_connection_lost_after_data"),
+    # anything else
+    (smtplib.SMTPException("odd"), False, Transient, "smtp_error"),
+    (smtplib.SMTPException("odd"), True, Ambiguous, "smtp_error_after_data"),
+    (RuntimeError("bug"), False, Transient, "smtp_unexpected_error"),
+    (RuntimeError("bug"), True, Ambiguous, "smtp_unexpected_error"),
+]
+
+
+@pytest.mark.parametrize(
+    ("exc", "data_sent", "kind", "code"),
+    CASES,
+    ids=[f"{type(c[0]).__name__}-{c[3]}-{'after' if c[1] else 'before'}" for c in CASES],
+)
+def test_classify(exc, data_sent, kind, code):
+    outcome = classify(exc, data_sent=data_sent)
+    assert type(outcome) is kind
+    assert outcome.code == code
+    assert outcome.message
+
+
+def test_disabled_outcomes_pause_the_relay():
+    for exc in (smtplib.SMTPAuthenticationError(535, b"no"), smtplib.SMTPNotSupportedError("x")):
+        outcome = classify(exc, data_sent=False)
+        assert isinstance(outcome, Disabled)
+        assert outcome.pause is True
+
+
+def test_a_refused_sender_is_a_config_error_a_refused_recipient_is_not():
+    sender = classify(smtplib.SMTPSenderRefused(550, b"relay denied", A), data_sent=False)
+    too_big = classify(smtplib.SMTPSenderRefused(552, b"size exceeds limit", A), data_sent=False)
+    recipient = classify(refused(a=550), data_sent=False)
+    assert isinstance(sender, Permanent)
+    assert sender.config_error
+    assert isinstance(too_big, Permanent)
+    assert not too_big.config_error
+    assert isinstance(recipient, Permanent)
+    assert not recipient.config_error
+
+
+def test_messages_carry_the_reply_and_stay_short():
+    outcome = classify(smtplib.SMTPDataError(554, b"5.7.1 message\r\n refused"), data_sent=True)
+    assert outcome.message == "SMTPDataError: 554 5.7.1 message refused"
+    outcome = classify(refused(a=550, b=550), data_sent=False)
+    assert outcome.message == "2 recipient(s) refused; first: 550 reply"
+    outcome = classify(smtplib.SMTPResponseException(550, b"x" * 5000), data_sent=False)
+    assert len(outcome.message) == 1000
+    assert outcome.message.endswith("...")
+
+
+# -- settings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        ({"host": ""}, "--smtp-host"),
+        ({"host": "smtp example.com"}, "--smtp-host"),
+        ({"host": None}, "--smtp-host"),
+        ({"port": 0}, "--smtp-port"),
+        ({"port": 65536}, "--smtp-port"),
+        ({"port": "25"}, "--smtp-port"),
+        ({"port": True}, "--smtp-port"),
+        ({"security": "tls"}, "--smtp-security"),
+        ({"username": "u"}, "--smtp-password"),
+        ({"password": "p"}, "--smtp-username"),
+        ({"username": "", "password": "p"}, "--smtp-username"),
+        ({"username": "u", "password": ""}, "--smtp-password"),
+        ({"timeout": 0}, "--smtp-timeout"),
+        ({"timeout": -1.0}, "--smtp-timeout"),
+        ({"timeout": float("nan")}, "--smtp-timeout"),
+        ({"timeout": float("inf")}, "--smtp-timeout"),
+        ({"timeout": "20"}, "--smtp-timeout"),
+        ({"timeout": True}, "--smtp-timeout"),
+        ({"security": "none", "ssl_context": ssl.create_default_context()}, "--smtp-security"),
+        ({"ssl_context": "yes"}, "ssl_context"),
+        ({"local_hostname": "relay host"}, "local_hostname"),
+    ],
+)
+def test_bad_settings_name_their_flag(kwargs, setting):
+    arguments = {"host": "smtp.example.com", **kwargs}
+    with pytest.raises(ConfigurationError) as caught:
+        SmtpSender(**arguments)
+    assert caught.value.setting == setting
+
+
+def test_a_password_never_shows_in_errors_or_repr():
+    with pytest.raises(ConfigurationError) as caught:
+        SmtpSender("smtp.example.com", password="hunter2")
+    assert "hunter2" not in str(caught.value)
+    sender = SmtpSender("smtp.example.com", username="u", password="hunter2")
+    assert "hunter2" not in repr(sender)
+
+
+def test_defaults_and_the_sender_protocol():
+    sender = SmtpSender("smtp.example.com")
+    assert (sender.port, sender.security, sender.timeout) == (587, "starttls", 20.0)
+    assert sender.username is None
+    assert isinstance(sender, Sender)
+    assert sender.name == "smtp"
+    assert sender.open_connections == 0
+    sender.close()  # nothing open: a no-op
+
+
+def test_from_env_reads_every_variable():
+    sender = SmtpSender.from_env(
+        {
+            "OUTBOX_SMTP_HOST": "mail.example.com",
+            "OUTBOX_SMTP_PORT": "2525",
+            "OUTBOX_SMTP_SECURITY": "SSL",
+            "OUTBOX_SMTP_USERNAME": "relay",
+            "OUTBOX_SMTP_PASSWORD": " spaced secret ",
+            "OUTBOX_SMTP_TIMEOUT": "7.5",
+        }
+    )
+    assert (sender.host, sender.port, sender.security) == ("mail.example.com", 2525, "ssl")
+    assert (sender.username, sender.timeout) == ("relay", 7.5)
+    assert sender._password == " spaced secret "
+
+
+@pytest.mark.parametrize(("security", "port"), [("ssl", 465), ("starttls", 587), ("none", 587)])
+def test_from_env_default_port_follows_security(security, port):
+    sender = SmtpSender.from_env({"OUTBOX_SMTP_HOST": "h", "OUTBOX_SMTP_SECURITY": security})
+    assert sender.port == port
+
+
+def test_from_env_treats_empty_variables_as_unset():
+    sender = SmtpSender.from_env(
+        {
+            "OUTBOX_SMTP_HOST": "h",
+            "OUTBOX_SMTP_PORT": "",
+            "OUTBOX_SMTP_SECURITY": "",
+            "OUTBOX_SMTP_USERNAME": "",
+            "OUTBOX_SMTP_PASSWORD": "",
+            "OUTBOX_SMTP_TIMEOUT": " ",
+        }
+    )
+    assert (sender.port, sender.security, sender.username, sender.timeout) == (
+        587,
+        "starttls",
+        None,
+        20.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "setting", "text"),
+    [
+        ({}, "--smtp-host", "OUTBOX_SMTP_HOST is not set"),
+        ({"OUTBOX_SMTP_PORT": "smtp"}, "--smtp-port", "OUTBOX_SMTP_PORT='smtp'"),
+        ({"OUTBOX_SMTP_PORT": "70000"}, "--smtp-port", "65535"),
+        ({"OUTBOX_SMTP_SECURITY": "tls"}, "--smtp-security", "OUTBOX_SMTP_SECURITY='tls'"),
+        ({"OUTBOX_SMTP_TIMEOUT": "soon"}, "--smtp-timeout", "OUTBOX_SMTP_TIMEOUT='soon'"),
+        ({"OUTBOX_SMTP_TIMEOUT": "-1"}, "--smtp-timeout", "positive"),
+        ({"OUTBOX_SMTP_USERNAME": "relay"}, "--smtp-password", "--smtp-username"),
+        ({"OUTBOX_SMTP_PASSWORD": "hunter2"}, "--smtp-username", "--smtp-password"),
+    ],
+)
+def test_from_env_errors_name_the_setting(env, setting, text):
+    if env:
+        env = {"OUTBOX_SMTP_HOST": "h", **env}
+    with pytest.raises(ConfigurationError) as caught:
+        SmtpSender.from_env(env)
+    assert caught.value.setting == setting
+    assert text in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+
+
+def test_module_factory_reads_os_environ(monkeypatch):
+    """``outbox-relay run --sender relay.senders.smtp:from_env``."""
+    monkeypatch.setenv("OUTBOX_SMTP_HOST", "smtp.example.net")
+    monkeypatch.setenv("OUTBOX_SMTP_SECURITY", "none")
+    monkeypatch.setenv("OUTBOX_SMTP_PORT", "25")
+    monkeypatch.delenv("OUTBOX_SMTP_USERNAME", raising=False)
+    monkeypatch.delenv("OUTBOX_SMTP_PASSWORD", raising=False)
+    monkeypatch.delenv("OUTBOX_SMTP_TIMEOUT", raising=False)
+    sender = smtp_module.from_env()
+    assert (sender.host, sender.port, sender.security) == ("smtp.example.net", 25, "none")
