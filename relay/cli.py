@@ -8,19 +8,17 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from types import FrameType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import click
-import sqlalchemy as sa
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import OperationalError
 
 from outbox import migrations
 from outbox.exceptions import ConfigurationError
-from relay import logs
+from relay import admin, logs
+from relay.cli_options import database_url, open_engine, option
 from relay.config import RelayConfig
-from relay.db import make_engine
 from relay.senders import Sender
 from relay.senders.console import ConsoleSender
 from relay.wakeup import Listener
@@ -29,26 +27,14 @@ from relay.worker import Relay
 __all__ = ["main"]
 
 
-def _engine(url: str) -> sa.Engine:
-    try:
-        return make_engine(url)
-    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
-        raise click.BadParameter(str(exc), param_hint="'--database-url'") from None
-
-
-database_url = click.option(
-    "--database-url",
-    envvar="OUTBOX_DATABASE_URL",
-    show_envvar=True,
-    required=True,
-    help="SQLAlchemy URL of the database holding the outbox tables.",
-)
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="sqlalchemy-outbox")
 def main() -> None:
     """Deliver the outbox, and operate it."""
+
+
+for _command in admin.COMMANDS:
+    main.add_command(_command)
 
 
 @main.command()
@@ -67,7 +53,7 @@ def migrate(database_url: str, revision: str) -> None:
     Revisions are recorded in outbox_alembic_version. Apps that run the outbox migrations
     through their own alembic (version_locations) do not need this command.
     """
-    engine = _engine(database_url)
+    engine = open_engine(database_url)
     safe_url = engine.url.render_as_string(hide_password=True)
     try:
         migrations.upgrade(engine, revision)
@@ -78,15 +64,6 @@ def migrate(database_url: str, revision: str) -> None:
         engine.dispose()
     state = "up to date" if applied == heads else f"at {', '.join(sorted(applied)) or 'base'}"
     click.echo(f"outbox schema {state} on {safe_url} (revision {', '.join(sorted(applied))})")
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _option(name: str, **kw: Any) -> Callable[[F], F]:
-    env = "OUTBOX_" + name.lstrip("-").replace("-", "_").upper()
-    kw.setdefault("show_default", True)
-    return click.option(name, envvar=env, show_envvar=True, **kw)
 
 
 class _Rate(click.ParamType[Any]):
@@ -159,51 +136,49 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
 
 @main.command()
 @database_url
-@_option("--sender", default="console", help="ses, smtp, console, or package.module:factory.")
-@_option(
+@option("--sender", default="console", help="ses, smtp, console, or package.module:factory.")
+@option(
     "--ses-configuration-set",
     default=None,
     help="SES configuration set for mail that names none (events, dedicated IPs).",
 )
-@_option("--smtp-host", default=None, help="SMTP server, with --sender smtp.")
-@_option("--smtp-port", type=int, default=None, help="SMTP port [default: 465 for ssl, else 587].")
-@_option(
+@option("--smtp-host", default=None, help="SMTP server, with --sender smtp.")
+@option("--smtp-port", type=int, default=None, help="SMTP port [default: 465 for ssl, else 587].")
+@option(
     "--smtp-security",
     type=click.Choice(["starttls", "ssl", "none"]),
     default="starttls",
     help="How the SMTP connection is encrypted.",
 )
-@_option("--smtp-username", default=None, help="SMTP user, if the server needs AUTH.")
-@_option("--smtp-password", default=None, show_default=False, help="SMTP password.")
-@_option("--concurrency", type=int, default=8, help="Sends in flight at once (threads).")
-@_option("--batch-size", type=int, default=50, help="Most messages claimed per statement.")
-@_option("--lease-seconds", type=float, default=120.0, help="How long a claim is held.")
-@_option("--send-timeout", type=float, default=20.0, help="Longest a provider call may take.")
-@_option("--poll-interval", type=float, default=1.0, help="Seconds between polls when idle.")
-@_option(
+@option("--smtp-username", default=None, help="SMTP user, if the server needs AUTH.")
+@option("--smtp-password", default=None, show_default=False, help="SMTP password.")
+@option("--concurrency", type=int, default=8, help="Sends in flight at once (threads).")
+@option("--batch-size", type=int, default=50, help="Most messages claimed per statement.")
+@option("--lease-seconds", type=float, default=120.0, help="How long a claim is held.")
+@option("--send-timeout", type=float, default=20.0, help="Longest a provider call may take.")
+@option("--poll-interval", type=float, default=1.0, help="Seconds between polls when idle.")
+@option(
     "--max-send-rate",
     type=RATE,
     default=None,
     help="Recipients per second, shared by all live relays, over any one-second window; "
     "'auto' reads the SES account's MaxSendRate (default: no limit).",
 )
-@_option(
+@option(
     "--drain-seconds",
     type=float,
     default=45.0,
     help="On SIGTERM, how long sends in flight get to finish.",
 )
-@_option(
+@option(
     "--pause-seconds",
     type=float,
     default=60.0,
     help="While the provider has sending paused, probe with one message this often.",
 )
-@_option("--exit-when-idle", is_flag=True, help="Drain what is due, then exit 0.")
-@_option(
-    "--relay-id", default=None, help="Name in outbox_relays and logs [default: host-pid-xxxx]."
-)
-@_option(
+@option("--exit-when-idle", is_flag=True, help="Drain what is due, then exit 0.")
+@option("--relay-id", default=None, help="Name in outbox_relays and logs [default: host-pid-xxxx].")
+@option(
     "--log-level",
     default="INFO",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
@@ -224,7 +199,7 @@ def run(**options: Any) -> None:
         sender = build_sender(config.sender, config, sender_options)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from None
-    engine = _engine(config.database_url)
+    engine = open_engine(config.database_url)
     relay = Relay(engine=engine, sender=sender, config=config)
     listener = Listener.for_engine(engine, relay.wake)
     signals_seen = 0

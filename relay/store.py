@@ -22,6 +22,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from outbox.migrations import VIEWS
 from outbox.schema import AmbiguityPolicy, Status, attempts, messages, relays
 from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
 
@@ -29,24 +30,32 @@ __all__ = [
     "AttemptRecord",
     "Claim",
     "Expired",
+    "Filter",
     "StaleLease",
     "apply_decision",
     "cancel",
     "claim_batch",
+    "count_messages",
     "expire",
     "extend_lease",
     "fail",
     "finalize_sent",
+    "get_message",
     "heartbeat",
     "hold_unknown",
+    "list_messages",
     "live_relays",
     "mark_send_started",
+    "message_ids",
+    "prune_batch",
+    "read_view",
     "record_attempts",
     "register",
     "release",
     "release_unstarted",
     "requeue",
     "schedule_retry",
+    "statuses_of",
     "stop",
     "sweep_candidates",
     "sweep_expired_leases",
@@ -638,6 +647,133 @@ def cancel(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:
         .values(status=Status.CANCELLED.value, updated_at=now)
     )
     return conn.execute(stmt).rowcount == 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Filter:
+    """Which messages an operator command means. Empty fields match everything."""
+
+    ids: tuple[int, ...] = ()
+    statuses: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    key: str | None = None  # exact, or a prefix when it ends with '*'
+    created_before: datetime | None = None
+    created_after: datetime | None = None
+    changed_before: datetime | None = None
+
+    @property
+    def is_bulk(self) -> bool:
+        return not self.ids
+
+
+def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
+    clauses: list[sa.ColumnElement[bool]] = []
+    if f.ids:
+        clauses.append(m.c.id.in_(f.ids))
+    if f.statuses:
+        clauses.append(m.c.status.in_(f.statuses))
+    if f.categories:
+        clauses.append(m.c.category.in_(f.categories))
+    if f.key is not None:
+        if f.key.endswith("*"):
+            prefix = f.key[:-1].replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            clauses.append(m.c.idempotency_key.like(prefix + "%", escape="\\"))
+        else:
+            clauses.append(m.c.idempotency_key == f.key)
+    if f.created_before is not None:
+        clauses.append(m.c.created_at < f.created_before)
+    if f.created_after is not None:
+        clauses.append(m.c.created_at >= f.created_after)
+    if f.changed_before is not None:
+        clauses.append(m.c.updated_at < f.changed_before)
+    return clauses
+
+
+_LIST_COLUMNS = (
+    m.c.id,
+    m.c.status,
+    m.c.category,
+    m.c.priority,
+    m.c.idempotency_key,
+    m.c.recipients,
+    m.c.subject,
+    m.c.attempt_count,
+    m.c.next_attempt_at,
+    m.c.created_at,
+    m.c.updated_at,
+    m.c.last_error_code,
+)
+
+
+def list_messages(
+    conn: sa.Connection, f: Filter, *, limit: int, after_id: int | None = None
+) -> list[Any]:
+    """list_messages -- One page of messages matching ``f``, by id (keyset paging)."""
+    stmt = sa.select(*_LIST_COLUMNS).where(*_where(f)).order_by(m.c.id).limit(limit)
+    if after_id is not None:
+        stmt = stmt.where(m.c.id > after_id)
+    return list(conn.execute(stmt).all())
+
+
+def count_messages(conn: sa.Connection, f: Filter) -> int:
+    """count_messages -- How many messages match ``f``."""
+    stmt = sa.select(sa.func.count()).select_from(m).where(*_where(f))
+    return int(conn.execute(stmt).scalar_one())
+
+
+def message_ids(conn: sa.Connection, f: Filter) -> list[int]:
+    """message_ids -- Every id matching ``f``, in order (for a bulk operator command)."""
+    return list(conn.execute(sa.select(m.c.id).where(*_where(f)).order_by(m.c.id)).scalars())
+
+
+def get_message(
+    conn: sa.Connection, message_id: int
+) -> tuple[sa.Row[Any] | None, list[sa.Row[Any]]]:
+    """get_message -- A message row and all its attempts, oldest first."""
+    row = conn.execute(sa.select(m).where(m.c.id == message_id)).one_or_none()
+    history = conn.execute(
+        sa.select(attempts).where(attempts.c.message_id == message_id).order_by(attempts.c.id)
+    ).all()
+    return row, list(history)
+
+
+def statuses_of(conn: sa.Connection, ids: Sequence[int]) -> dict[int, str]:
+    """statuses_of -- The current status of each existing id."""
+    if not ids:
+        return {}
+    rows = conn.execute(sa.select(m.c.id, m.c.status).where(m.c.id.in_(ids))).all()
+    return {row.id: row.status for row in rows}
+
+
+PRUNABLE = (Status.SENT.value, Status.FAILED.value, Status.CANCELLED.value, Status.EXPIRED.value)
+
+
+def prune_batch(conn: sa.Connection, *, before: datetime, limit: int) -> int:
+    """prune -- Delete up to ``limit`` finished messages (and their attempts) created and last
+    changed before ``before``. unknown_outcome rows are never pruned: they await an operator.
+    """
+    old = Filter(statuses=PRUNABLE, created_before=before, changed_before=before)
+    ids = list(
+        conn.execute(
+            sa.select(m.c.id)
+            .where(*_where(old))
+            .order_by(m.c.id)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).scalars()
+    )
+    if not ids:
+        return 0
+    conn.execute(sa.delete(attempts).where(attempts.c.message_id.in_(ids)))
+    result = conn.execute(sa.delete(m).where(m.c.id.in_(ids), m.c.status.in_(PRUNABLE)))
+    return int(result.rowcount)
+
+
+def read_view(conn: sa.Connection, name: str) -> list[dict[str, Any]]:
+    """The rows of one of the operator views (``outbox_status_summary``, ``outbox_lag``, ...)."""
+    if name not in VIEWS:
+        raise ValueError(f"not an outbox view: {name}")
+    return [dict(row._mapping) for row in conn.execute(sa.text(f"SELECT * FROM {name}"))]
 
 
 # -- relays ------------------------------------------------------------------------------

@@ -1,0 +1,458 @@
+"""Operator commands of ``outbox-relay``: status, list, show, requeue, cancel, prune.
+
+Each command checks everything it was given before it changes anything: a bad id, status or
+filter stops it with a message and no change. Bulk changes (filters instead of ids) need
+``--yes``. Requeue and cancel record the operator's reason as an attempt row.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import click
+import sqlalchemy as sa
+
+from outbox.schema import Status, utcnow
+from relay import store
+from relay.cli_options import database_url, open_engine, option
+
+__all__ = ["COMMANDS", "parse_duration"]
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+STATUSES = [s.value for s in Status]
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``15m``, ``12h``, ``30d``, ``2w`` or combinations such as ``1d12h``."""
+    cleaned = text.strip().lower()
+    parts = _DURATION.findall(cleaned)
+    if not parts or _DURATION.sub("", cleaned).strip():
+        raise ValueError(f"{text!r} is not a duration such as 90s, 15m, 12h, 30d or 2w")
+    return timedelta(seconds=sum(float(n) * _UNITS[unit] for n, unit in parts))
+
+
+class _Duration(click.ParamType[timedelta]):
+    name = "DURATION"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> timedelta:
+        if isinstance(value, timedelta):
+            return value
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DURATION = _Duration()
+
+
+def _filters(function: Callable[..., Any]) -> Callable[..., Any]:
+    for decorator in reversed(
+        [
+            click.option(
+                "--status",
+                "statuses",
+                multiple=True,
+                type=click.Choice(STATUSES),
+                help="Only messages in this status (repeatable).",
+            ),
+            click.option(
+                "--category", "categories", multiple=True, help="Only this category (repeatable)."
+            ),
+            click.option("--key", help="Idempotency key; a trailing * matches a prefix."),
+            click.option(
+                "--older-than", type=DURATION, help="Created longer ago than this (e.g. 2h)."
+            ),
+            click.option("--newer-than", type=DURATION, help="Created within this (e.g. 30m)."),
+        ]
+    ):
+        function = decorator(function)
+    return function
+
+
+def _filter(
+    ids: Sequence[int] = (),
+    statuses: Sequence[str] = (),
+    categories: Sequence[str] = (),
+    key: str | None = None,
+    older_than: timedelta | None = None,
+    newer_than: timedelta | None = None,
+) -> store.Filter:
+    now = utcnow()
+    if key is not None and not key.strip("*"):
+        raise click.BadParameter("must not be empty", param_hint="'--key'")
+    return store.Filter(
+        ids=tuple(ids),
+        statuses=tuple(statuses),
+        categories=tuple(categories),
+        key=key,
+        created_before=None if older_than is None else now - older_than,
+        created_after=None if newer_than is None else now - newer_than,
+    )
+
+
+def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, datetime):
+            return value.strftime("%Y-%m-%d %H:%M:%S")
+        if isinstance(value, float):
+            return f"{value:.1f}"
+        text = "" if value is None else str(value)
+        return text if len(text) <= 48 else text[:45] + "..."
+
+    cells = [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=str, indent=2, sort_keys=True)
+
+
+def _operator() -> str:
+    try:
+        return f"operator:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "operator"
+
+
+# -- read -----------------------------------------------------------------------------------
+
+
+@click.command()
+@database_url
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(database_url: str, as_json: bool) -> None:
+    """What the outbox holds: counts per status and category, lag, failures, relays."""
+    engine = open_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            report: dict[str, Any] = {
+                view: store.read_view(conn, f"outbox_{view}")
+                for view in ("status_summary", "lag", "failures", "relay_health")
+            }
+            report["unknown_outcomes"] = store.count_messages(
+                conn, store.Filter(statuses=(Status.UNKNOWN_OUTCOME.value,))
+            )
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(_json(report))
+        return
+    summary = report["status_summary"]
+    click.echo("Messages by status and category")
+    click.echo(
+        _table(summary, ["category", "status", "message_count", "oldest_created_at"])
+        if summary
+        else "  (none)"
+    )
+    click.echo("\nDue now (lag = age of the oldest due message)")
+    lag = report["lag"]
+    click.echo(
+        _table(lag, ["category", "due_count", "oldest_due_at", "lag_seconds"])
+        if lag
+        else "  nothing due"
+    )
+    click.echo(
+        f"\nunknown_outcome: {report['unknown_outcomes']} (outbox-relay list --status "
+        "unknown_outcome; reconcile, then requeue or cancel)"
+    )
+    if report["failures"]:
+        click.echo("\nFailures by error code")
+        click.echo(
+            _table(report["failures"], ["category", "error_code", "message_count", "newest_at"])
+        )
+    click.echo("\nRelays")
+    relays = report["relay_health"]
+    click.echo(
+        _table(relays, ["relay_id", "state", "host", "pid", "heartbeat_age_seconds"])
+        if relays
+        else "  none registered"
+    )
+
+
+@click.command(name="list")
+@database_url
+@_filters
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
+@click.option("--after-id", type=int, help="Page on: show ids after this one.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def list_(database_url: str, limit: int, after_id: int | None, as_json: bool, **f: Any) -> None:
+    """List messages, oldest id first, with filters and paging."""
+    flt = _filter(**f)
+    engine = open_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            rows = [
+                dict(r._mapping)
+                for r in store.list_messages(conn, flt, limit=limit, after_id=after_id)
+            ]
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(_json(rows))
+        return
+    if not rows:
+        click.echo("no messages match")
+        return
+    click.echo(
+        _table(
+            rows,
+            [
+                "id",
+                "status",
+                "category",
+                "idempotency_key",
+                "recipients",
+                "subject",
+                "attempt_count",
+                "next_attempt_at",
+                "last_error_code",
+            ],
+        )
+    )
+    if len(rows) == limit:
+        click.echo(f"... more: --after-id {rows[-1]['id']}")
+
+
+@click.command()
+@database_url
+@click.argument("message_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def show(database_url: str, message_id: int, as_json: bool) -> None:
+    """One message and every attempt made for it (bodies are not shown)."""
+    engine = open_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            row, history = store.get_message(conn, message_id)
+    finally:
+        engine.dispose()
+    if row is None:
+        raise click.ClickException(f"no message with id {message_id}")
+    message = dict(row._mapping)
+    payload = message.pop("payload") or {}
+    message["attachments"] = [a.get("filename") for a in payload.get("attachments", [])]
+    message["template"] = payload.get("template")
+    attempts = [dict(a._mapping) for a in history]
+    if as_json:
+        click.echo(_json({"message": message, "attempts": attempts}))
+        return
+    width = max(len(k) for k in message)
+    for name, value in message.items():
+        if value not in (None, [], ""):
+            click.echo(f"{name.ljust(width)}  {value}")
+    click.echo(f"\nattempts ({len(attempts)})")
+    if attempts:
+        click.echo(
+            _table(
+                attempts,
+                [
+                    "id",
+                    "outcome",
+                    "relay_id",
+                    "started_at",
+                    "finished_at",
+                    "error_code",
+                    "provider_message_id",
+                    "error_message",
+                ],
+            )
+        )
+
+
+# -- change ---------------------------------------------------------------------------------
+
+
+def _select(
+    conn: sa.Connection, ids: Sequence[int], flt: store.Filter, allowed: Iterable[str], verb: str
+) -> list[int]:
+    """The ids a command will change; refuses, changing nothing, if any given id is unknown or
+    in a status the command cannot change."""
+    allowed = tuple(allowed)
+    if ids:
+        found = store.statuses_of(conn, ids)
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise click.ClickException(f"no message with id {', '.join(map(str, missing))}")
+        wrong = [f"{i} ({found[i]})" for i in ids if found[i] not in allowed]
+        if wrong:
+            raise click.ClickException(
+                f"cannot {verb} {', '.join(wrong)}: only {' or '.join(allowed)} messages"
+            )
+        return list(ids)
+    statuses = flt.statuses or allowed
+    bad = [s for s in statuses if s not in allowed]
+    if bad:
+        raise click.BadParameter(
+            f"cannot {verb} {', '.join(bad)} messages", param_hint="'--status'"
+        )
+    return store.message_ids(conn, store.Filter(**{**_fields(flt), "statuses": tuple(statuses)}))
+
+
+def _fields(flt: store.Filter) -> dict[str, Any]:
+    return {name: getattr(flt, name) for name in store.Filter.__dataclass_fields__}
+
+
+def _change(
+    database_url: str,
+    ids: Sequence[int],
+    filters: dict[str, Any],
+    yes: bool,
+    reason: str | None,
+    *,
+    verb: str,
+    allowed: Sequence[str],
+    apply: Callable[..., bool],
+) -> None:
+    if ids and any(filters.values()):
+        raise click.UsageError("give message ids or filters, not both")
+    if not ids and not any(filters.values()):
+        raise click.UsageError(f"give the ids to {verb}, or filters (with --yes)")
+    flt = _filter(**filters)
+    engine = open_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            chosen = _select(conn, ids, flt, allowed, verb)
+            if not ids and not yes:
+                raise click.UsageError(
+                    f"{len(chosen)} messages match; add --yes to {verb} them all"
+                )
+            now = utcnow()
+            done = [i for i in chosen if apply(conn, message_id=i, now=now)]
+            store.record_attempts(
+                conn,
+                (
+                    store.AttemptRecord(
+                        message_id=i,
+                        claim_token=None,
+                        relay_id=_operator(),
+                        started_at=None,
+                        finished_at=now,
+                        outcome=f"{verb}d" if verb.endswith("e") else f"{verb}ed",
+                        error_message=reason,
+                    )
+                    for i in done
+                ),
+            )
+    finally:
+        engine.dispose()
+    skipped = len(chosen) - len(done)
+    tail = f" ({skipped} moved meanwhile and were left alone)" if skipped else ""
+    click.echo(
+        f"{verb}d {len(done)} message(s){tail}"
+        if verb.endswith("e")
+        else f"{verb}ed {len(done)} message(s){tail}"
+    )
+
+
+@click.command()
+@database_url
+@click.argument("ids", nargs=-1, type=int)
+@_filters
+@click.option("--reason", help="Why: recorded with the message's attempts.")
+@click.option("--yes", is_flag=True, help="Confirm a bulk requeue (filters instead of ids).")
+def requeue(
+    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, **filters: Any
+) -> None:
+    """Send unknown_outcome or failed messages again: back to pending, due now, with a fresh
+    attempt budget.
+
+    For unknown_outcome, first check with SES (CloudWatch, event destinations, the provider
+    ids in `outbox-relay show ID`) that the first send did not arrive: requeue sends again.
+    """
+    _change(
+        database_url, ids, filters, yes, reason,
+        verb="requeue",
+        allowed=(Status.UNKNOWN_OUTCOME.value, Status.FAILED.value),
+        apply=store.requeue,
+    )  # fmt: skip
+
+
+@click.command()
+@database_url
+@click.argument("ids", nargs=-1, type=int)
+@_filters
+@click.option("--reason", help="Why: recorded with the message's attempts.")
+@click.option("--yes", is_flag=True, help="Confirm a bulk cancel (filters instead of ids).")
+def cancel(
+    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, **filters: Any
+) -> None:
+    """Cancel pending or retrying messages so they are never sent (a message being sent right
+    now cannot be cancelled)."""
+    _change(
+        database_url, ids, filters, yes, reason,
+        verb="cancel",
+        allowed=(Status.PENDING.value, Status.RETRYING.value),
+        apply=store.cancel,
+    )  # fmt: skip
+
+
+@click.command()
+@database_url
+@option(
+    "--older-than",
+    type=DURATION,
+    required=True,
+    show_default=False,
+    help="Delete finished messages created and last changed longer ago than this.",
+)
+@option(
+    "--dedup-window",
+    type=DURATION,
+    default="30d",
+    help="Never delete messages younger than this: a pruned key can be enqueued again.",
+)
+@option(
+    "--batch-size",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    help="Rows deleted per transaction.",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+def prune(
+    database_url: str, older_than: timedelta, dedup_window: timedelta, batch_size: int,
+    dry_run: bool,
+) -> None:  # fmt: skip
+    """Delete finished messages (sent, failed, cancelled, expired) and their attempts.
+
+    Pruning a message forgets its idempotency key, so the same key could be enqueued and sent
+    again: messages younger than --dedup-window are never pruned, whatever --older-than says.
+    unknown_outcome messages are never pruned. Deletes in batches of --batch-size, each its own
+    short transaction.
+    """
+    cutoff = utcnow() - max(older_than, dedup_window)
+    engine = open_engine(database_url)
+    total = 0
+    try:
+        if dry_run:
+            with engine.connect() as conn:
+                total = store.count_messages(
+                    conn,
+                    store.Filter(
+                        statuses=store.PRUNABLE, created_before=cutoff, changed_before=cutoff
+                    ),
+                )
+            click.echo(f"would delete {total} message(s) created before {cutoff:%Y-%m-%d %H:%M}")
+            return
+        while True:
+            with engine.begin() as conn:
+                deleted = store.prune_batch(conn, before=cutoff, limit=batch_size)
+            total += deleted
+            if deleted < batch_size:
+                break
+    finally:
+        engine.dispose()
+    click.echo(f"deleted {total} message(s) created before {cutoff:%Y-%m-%d %H:%M} UTC")
+
+
+COMMANDS = (status, list_, show, requeue, cancel, prune)

@@ -1,0 +1,282 @@
+"""Operator commands and the SQL views, on SQLite, PostgreSQL and MariaDB."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from sqlalchemy.orm import Session
+
+from outbox import Email, Outbox
+from outbox.schema import attempts, messages, relays
+from relay import store
+from relay.admin import parse_duration
+from relay.cli import main
+
+OB = Outbox()
+
+
+def enqueue(engine, n: int, prefix: str = "k") -> list[int]:
+    with Session(engine) as session:
+        ids = [
+            OB.enqueue(
+                session,
+                Email(
+                    sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"S{i}", text="t"
+                ),
+                key=f"{prefix}:{i}",
+            ).id
+            for i in range(n)
+        ]
+        session.commit()
+    return ids
+
+
+def set_rows(engine, ids, **values) -> None:
+    with engine.begin() as conn:
+        conn.execute(messages.update().where(messages.c.id.in_(ids)).values(**values))
+
+
+def cli(backend, *args: str):
+    result = CliRunner().invoke(
+        main, [*args], env={"OUTBOX_DATABASE_URL": backend.url}, catch_exceptions=False
+    )
+    return result
+
+
+def status_of(engine, mid: int) -> str:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(messages.c.status).where(messages.c.id == mid)).scalar_one()
+
+
+def view(engine, name: str) -> list[dict]:
+    with engine.connect() as conn:
+        return store.read_view(conn, name)
+
+
+@pytest.fixture
+def backlog(backend):
+    """Two pending, one unknown_outcome with two provider ids in its attempts, two failed with
+    the same code, one failed with another, one sent, and a relay heartbeat."""
+    engine = backend.engine
+    ids = enqueue(engine, 8)
+    now = datetime.now(UTC)
+    set_rows(
+        engine,
+        [ids[2]],
+        status="unknown_outcome",
+        claimed_by="relay-a",
+        attempt_count=1,
+        claimed_at=now,
+        send_started_at=now,
+        last_error_code="ReadTimeoutError",
+    )
+    set_rows(
+        engine,
+        ids[3:5],
+        status="failed",
+        attempt_count=1,
+        last_error_code="MessageRejected",
+        last_error_message="not verified",
+    )
+    set_rows(
+        engine,
+        [ids[5]],
+        status="failed",
+        attempt_count=10,
+        last_error_code="Throttling",
+        last_error_message="exhausted",
+    )
+    set_rows(
+        engine, [ids[6]], status="sent", attempt_count=1, provider_message_id="ses-6", sent_at=now
+    )
+    set_rows(engine, [ids[7]], next_attempt_at=now + timedelta(hours=1))  # pending, not due
+    with engine.begin() as conn:
+        for provider_id in ("ses-a", "ses-b"):
+            conn.execute(
+                attempts.insert().values(
+                    message_id=ids[2],
+                    claim_token="t",
+                    relay_id="relay-a",
+                    started_at=now,
+                    finished_at=now,
+                    outcome="ambiguous",
+                    provider_message_id=provider_id,
+                )
+            )
+        conn.execute(
+            relays.insert().values(
+                relay_id="relay-a",
+                host="h",
+                pid=1,
+                started_at=now,
+                heartbeat_at=now - timedelta(seconds=5),
+                state="running",
+            )
+        )
+    return ids
+
+
+def test_views_describe_the_backlog(backend, backlog):
+    engine = backend.engine
+    counts = {
+        (r["category"], r["status"]): r["message_count"]
+        for r in view(engine, "outbox_status_summary")
+    }
+    assert counts == {
+        ("default", "pending"): 3,
+        ("default", "unknown_outcome"): 1,
+        ("default", "failed"): 3,
+        ("default", "sent"): 1,
+    }
+    (lag,) = view(engine, "outbox_lag")
+    assert lag["category"] == "default"
+    assert lag["due_count"] == 2  # the not-due pending message is not lag
+    assert 0 <= float(lag["lag_seconds"]) < 600
+    (unknown,) = view(engine, "outbox_unknown_outcomes")
+    assert unknown["id"] == backlog[2]
+    assert unknown["idempotency_key"] == "k:2"
+    assert unknown["claimed_by"] == "relay-a"
+    assert unknown["recipients"] == "c2@example.com"
+    assert sorted(unknown["provider_message_ids"].split(",")) == ["ses-a", "ses-b"]
+    failures = {r["error_code"]: r for r in view(engine, "outbox_failures")}
+    assert failures["MessageRejected"]["message_count"] == 2
+    assert failures["MessageRejected"]["newest_message_id"] == backlog[4]
+    assert failures["MessageRejected"]["newest_error_message"] == "not verified"
+    assert failures["Throttling"]["message_count"] == 1
+    (health,) = view(engine, "outbox_relay_health")
+    assert health["state"] == "running"
+    assert 4 <= float(health["heartbeat_age_seconds"]) < 600
+
+
+def test_status_matches_the_views(backend, backlog):
+    result = cli(backend, "status", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["unknown_outcomes"] == 1
+    assert {r["status"] for r in report["status_summary"]} == {
+        "pending",
+        "unknown_outcome",
+        "failed",
+        "sent",
+    }
+    text = cli(backend, "status").output
+    assert "unknown_outcome: 1" in text
+    assert "MessageRejected" in text
+    assert "relay-a" in text
+
+
+def test_list_filters_and_pages(backend, backlog):
+    out = json.loads(cli(backend, "list", "--status", "failed", "--json").output)
+    assert [r["id"] for r in out] == backlog[3:6]
+    page = json.loads(cli(backend, "list", "--limit", "3", "--json").output)
+    assert [r["id"] for r in page] == backlog[:3]
+    nxt = json.loads(
+        cli(backend, "list", "--limit", "3", "--after-id", str(backlog[2]), "--json").output
+    )
+    assert [r["id"] for r in nxt] == backlog[3:6]
+    assert [r["id"] for r in json.loads(cli(backend, "list", "--key", "k:7", "--json").output)] == [
+        backlog[7]
+    ]
+    assert len(json.loads(cli(backend, "list", "--key", "k:*", "--json").output)) == 8
+    assert json.loads(cli(backend, "list", "--older-than", "1h", "--json").output) == []
+    assert "more: --after-id" in cli(backend, "list", "--limit", "2").output
+
+
+def test_show_has_the_row_and_its_attempts_but_no_body(backend, backlog):
+    result = cli(backend, "show", str(backlog[2]), "--json")
+    data = json.loads(result.output)
+    assert data["message"]["status"] == "unknown_outcome"
+    assert [a["provider_message_id"] for a in data["attempts"]] == ["ses-a", "ses-b"]
+    assert "payload" not in data["message"]
+    assert cli(backend, "show", "999999").exit_code == 1
+
+
+def test_requeue_records_the_reason_and_refuses_bad_ids_without_changing_anything(backend, backlog):
+    engine = backend.engine
+    refused = cli(backend, "requeue", str(backlog[2]), str(backlog[0]))  # 0 is pending
+    assert refused.exit_code == 1
+    assert "cannot requeue" in refused.output
+    assert status_of(engine, backlog[2]) == "unknown_outcome"
+    assert cli(backend, "requeue", str(backlog[2]), "999999").exit_code == 1
+    assert status_of(engine, backlog[2]) == "unknown_outcome"
+    done = cli(backend, "requeue", str(backlog[2]), "--reason", "not in CloudWatch")
+    assert done.exit_code == 0, done.output
+    assert status_of(engine, backlog[2]) == "pending"
+    history = json.loads(cli(backend, "show", str(backlog[2]), "--json").output)["attempts"]
+    assert history[-1]["outcome"] == "requeued"
+    assert history[-1]["error_message"] == "not in CloudWatch"
+    assert history[-1]["relay_id"].startswith("operator")
+
+
+def test_bulk_requeue_needs_yes(backend, backlog):
+    engine = backend.engine
+    refused = cli(backend, "requeue", "--status", "failed")
+    assert refused.exit_code == 2
+    assert "3 messages match; add --yes" in refused.output
+    assert status_of(engine, backlog[3]) == "failed"
+    assert cli(backend, "requeue", "--status", "pending", "--yes").exit_code == 2
+    assert (
+        cli(backend, "requeue", "--status", "failed", "--category", "default", "--yes").exit_code
+        == 0
+    )
+    assert [status_of(engine, i) for i in backlog[3:6]] == ["pending"] * 3
+
+
+def test_cancel(backend, backlog):
+    engine = backend.engine
+    assert cli(backend, "cancel", str(backlog[6])).exit_code == 1  # sent
+    assert cli(backend, "cancel", str(backlog[0]), "--reason", "customer left").exit_code == 0
+    assert status_of(engine, backlog[0]) == "cancelled"
+    assert cli(backend, "cancel", "--key", "k:*").exit_code == 2  # bulk without --yes
+    assert cli(backend, "cancel", "--key", "k:*", "--yes").exit_code == 0
+    assert status_of(engine, backlog[1]) == "cancelled"
+    assert status_of(engine, backlog[2]) == "unknown_outcome"  # not cancellable: untouched
+
+
+def test_prune_respects_the_dedup_window(backend, backlog):
+    engine = backend.engine
+    old = datetime.now(UTC) - timedelta(days=40)
+    set_rows(engine, [backlog[6]], created_at=old, updated_at=old)  # sent, 40 days ago
+    set_rows(
+        engine,
+        [backlog[3]],
+        created_at=datetime.now(UTC) - timedelta(days=10),
+        updated_at=datetime.now(UTC) - timedelta(days=10),
+    )  # failed, 10 days ago
+    set_rows(engine, [backlog[2]], created_at=old, updated_at=old)  # unknown_outcome: kept
+    dry = cli(backend, "prune", "--older-than", "1d", "--dry-run")
+    assert "would delete 1 message" in dry.output
+    result = cli(backend, "prune", "--older-than", "1d", "--batch-size", "1")
+    assert "deleted 1 message" in result.output
+    with engine.connect() as conn:
+        left = set(conn.execute(sa.select(messages.c.id)).scalars())
+    assert backlog[6] not in left
+    assert {backlog[3], backlog[2]} <= left
+    # With a shorter dedup window the 10-day-old failure goes too; its key is free again.
+    assert "deleted 1" in cli(backend, "prune", "--older-than", "7d", "--dedup-window", "7d").output
+    assert enqueue(engine, 4, prefix="k")[3] != backlog[3]
+
+
+@pytest.mark.parametrize("text", ["", "5", "1x", "-1d", "d"])
+def test_bad_durations_are_refused(text):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+def test_durations():
+    assert parse_duration("1d12h") == timedelta(days=1, hours=12)
+    assert parse_duration("90s") == timedelta(seconds=90)
+    assert parse_duration("2w") == timedelta(weeks=2)
+
+
+def test_bad_filter_changes_nothing(backend, backlog):
+    result = cli(backend, "requeue", "--older-than", "soon", "--yes")
+    assert result.exit_code == 2
+    assert "--older-than" in result.output
+    result = cli(backend, "requeue", "1", "--status", "failed")
+    assert result.exit_code == 2
+    assert "not both" in result.output
