@@ -19,6 +19,8 @@ from outbox.exceptions import ConfigurationError
 from relay import admin, logs
 from relay.cli_options import database_url, open_engine, option
 from relay.config import RelayConfig
+from relay.http import start_http_server
+from relay.metrics import RelayMetrics
 from relay.senders import Sender
 from relay.senders.console import ConsoleSender
 from relay.wakeup import Listener
@@ -183,12 +185,28 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
     default="INFO",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
+@option("--log-format", default="text", type=click.Choice(["text", "json"]), help="Log lines.")
+@option(
+    "--log-recipients",
+    is_flag=True,
+    help="Show recipient addresses in logs (masked by default).",
+)
+@option(
+    "--http-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve /healthz, /readyz and /metrics on this port (default: off).",
+)
+@option("--http-host", default="0.0.0.0", help="Address the HTTP endpoint listens on.")
 def run(**options: Any) -> None:
     """Deliver committed outbox messages until stopped (SIGTERM/SIGINT drain it).
 
     A second signal exits at once; leases of sends then in flight expire normally.
     """
-    logs.configure(options.pop("log_level"))
+    logs.configure(
+        options.pop("log_level"), options.pop("log_format"), options.pop("log_recipients")
+    )
+    http_port, http_host = options.pop("http_port"), options.pop("http_host")
     if options["relay_id"] is None:
         options.pop("relay_id")
     sender_options = {
@@ -202,6 +220,12 @@ def run(**options: Any) -> None:
     engine = open_engine(config.database_url)
     relay = Relay(engine=engine, sender=sender, config=config)
     listener = Listener.for_engine(engine, relay.wake)
+    server = None
+    if http_port is not None:
+        try:
+            server = start_http_server(relay, RelayMetrics(relay), http_port, http_host)
+        except OSError as exc:
+            raise click.UsageError(f"--http-port: cannot listen on {http_port}: {exc}") from None
     signals_seen = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -221,6 +245,8 @@ def run(**options: Any) -> None:
     try:
         relay.run()
     finally:
+        if server is not None:
+            server.stop()
         if listener is not None:
             listener.stop()
         close = getattr(sender, "close", None)

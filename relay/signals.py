@@ -3,6 +3,13 @@
 Receivers get the :class:`~relay.worker.Relay` as sender and keyword arguments
 ``message_id``, ``category`` and, where they apply, ``code`` and ``provider_message_id``.
 They fire after the transition committed, from the relay's main thread.
+
+The signals sent when a send or sweep is finalized (``sent``, ``retry_scheduled``, ``failed``,
+``unknown_outcome``, ``released``, ``stale_finalize``) also carry ``outcome`` (what the attempt
+found: ``accepted``, ``transient``, ``permanent``, ``ambiguous``, ``disabled``,
+``invalid_payload``, ``lease_expired`` for the sweep; None for a claim given back unstarted) and
+``duration`` (seconds the provider call took; None when there was no call). Receivers should
+accept ``**kwargs``: more may be added.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 from blinker import Namespace
 
 __all__ = [
+    "claim_completed",
     "claimed",
     "expired",
     "failed",
@@ -23,6 +31,11 @@ __all__ = [
 _signals = Namespace()
 
 claimed = _signals.signal("relay.claimed", doc="A message was claimed under a lease.")
+claim_completed = _signals.signal(
+    "relay.claim_completed",
+    doc="A claim transaction committed: ``duration`` (seconds), ``count`` (messages claimed), "
+    "``expired`` (due messages it found past expires_at).",
+)
 sent = _signals.signal("relay.sent", doc="The provider accepted a message.")
 retry_scheduled = _signals.signal("relay.retry_scheduled", doc="A retry was scheduled.")
 failed = _signals.signal("relay.failed", doc="A message failed for good.")

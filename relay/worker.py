@@ -76,7 +76,7 @@ _LOG_ACTIONS = {
 class _InFlight:
     claim: store.Claim
     started_at: datetime
-    future: Future[Outcome]
+    future: Future[tuple[Outcome, float]]  # the outcome, and the provider call's seconds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +86,7 @@ class _Done:
     finished_at: datetime
     outcome: Outcome | None  # None: the payload could not be turned into an email
     decision: Decision
+    duration: float | None = None  # seconds the provider call took; None: no call
 
 
 class Relay:
@@ -119,6 +120,8 @@ class Relay:
         self._last_expire = 0.0
         self._db_failures = 0
         self.state = "running"
+        self.pause_code: str | None = None  # the provider's code while paused
+        self.loop_at: float | None = None  # monotonic time of the loop's last pass, in run()
 
     # -- control ---------------------------------------------------------------------------
 
@@ -161,6 +164,7 @@ class Relay:
         self._with_db(self._register)
         try:
             while not self._stopping.is_set():
+                self.loop_at = time.monotonic()
                 busy = self._with_db(self.step)
                 if busy is None:  # database error: back off, then try again
                     self._stopping.wait(self._db_backoff())
@@ -174,6 +178,7 @@ class Relay:
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._with_db(self._deregister)
+            self.loop_at = None
 
     # -- one tick --------------------------------------------------------------------------
 
@@ -200,6 +205,7 @@ class Relay:
             limit = min(limit, 1)
         if limit <= 0:
             return False
+        began = time.monotonic()
         with self.engine.begin() as conn:
             claims, expired = store.claim_batch(
                 conn,
@@ -208,6 +214,9 @@ class Relay:
                 now=now,
                 lease_seconds=self.config.lease_seconds,
             )
+        signals.claim_completed.send(
+            self, duration=time.monotonic() - began, count=len(claims), expired=len(expired)
+        )
         self._announce_expired(expired)
         poison: list[_Done] = []
         for claim in claims:
@@ -266,23 +275,25 @@ class Relay:
             future.add_done_callback(lambda _f: self._wake.set())
         return True
 
-    def _send(self, message: OutgoingMessage) -> Outcome:
+    def _send(self, message: OutgoingMessage) -> tuple[Outcome, float]:
         """Runs on a worker thread. A sender that raises is treated as ambiguous: the request
-        may have left before the error."""
+        may have left before the error. Returns the outcome and the call's seconds."""
+        began = time.monotonic()
         try:
-            return self.sender.send(message)
+            outcome: Outcome = self.sender.send(message)
         except Exception as exc:
             log.exception(
                 "sender raised", extra={"action": "sender_error", "message_id": message.id}
             )
-            return Ambiguous(code="sender_exception", message=f"{type(exc).__name__}: {exc}")
+            outcome = Ambiguous(code="sender_exception", message=f"{type(exc).__name__}: {exc}")
+        return outcome, time.monotonic() - began
 
     def _finalize(self) -> bool:
         now = self.clock()
         for message_id, flight in list(self._in_flight.items()):
             if flight.future.done():
                 del self._in_flight[message_id]
-                outcome = flight.future.result()
+                outcome, duration = flight.future.result()
                 self._unsaved.append(
                     _Done(
                         claim=flight.claim,
@@ -290,6 +301,7 @@ class Relay:
                         finished_at=now,
                         outcome=outcome,
                         decision=decide(outcome, flight.claim.state, now),
+                        duration=duration,
                     )
                 )
         if not self._unsaved:
@@ -308,7 +320,13 @@ class Relay:
             )
         self._unsaved.clear()
         for done, ok in zip(batch, applied, strict=True):
-            self._announce(done.claim, done.decision, applied=ok)
+            self._announce(
+                done.claim,
+                done.decision,
+                applied=ok,
+                duration=done.duration,
+                outcome=_outcome_name(done.outcome),
+            )
             self._react(done.outcome)
         return True
 
@@ -328,6 +346,7 @@ class Relay:
         if self._probing and not isinstance(outcome, Disabled):
             self._probing = False
             self._paused_until = None
+            self.pause_code = None
             self.state = "running"
             log.warning("sending works again; resuming", extra={"action": "resumed"})
 
@@ -336,6 +355,7 @@ class Relay:
         self._paused_until = time.monotonic() + seconds
         self._probing = False
         self.state = "paused"
+        self.pause_code = code
         self._last_heartbeat = 0.0  # show the pause in outbox_relays at once
         log.error(
             "sending paused by the provider (%s); probing again in %gs",
@@ -370,7 +390,7 @@ class Relay:
         with self.engine.begin() as conn:
             swept = store.sweep_expired_leases(conn, now=now, relay_id=self.relay_id)
         for lease, decision in swept:
-            self._announce(lease.claim, decision, applied=True, swept=True)
+            self._announce(lease.claim, decision, applied=True, swept=True, outcome="lease_expired")
         return bool(swept)
 
     def _expire(self, now: datetime) -> None:
@@ -440,6 +460,7 @@ class Relay:
         )
         self._with_db(self._release_ready)
         while self._in_flight or self._unsaved:
+            self.loop_at = time.monotonic()
             if time.monotonic() >= deadline:
                 log.error(
                     "drain deadline passed with sends in flight; their leases will expire",
@@ -506,7 +527,14 @@ class Relay:
         return min(30.0, 0.25 * 2.0 ** min(self._db_failures, 8)) * random.uniform(0.5, 1.0)
 
     def _announce(
-        self, claim: store.Claim, decision: Decision, *, applied: bool, swept: bool = False
+        self,
+        claim: store.Claim,
+        decision: Decision,
+        *,
+        applied: bool,
+        swept: bool = False,
+        duration: float | None = None,
+        outcome: str | None = None,
     ) -> None:
         extra = {
             "action": _LOG_ACTIONS[decision.action] if applied else "stale_finalize",
@@ -525,6 +553,8 @@ class Relay:
                 category=claim.category,
                 code=decision.code,
                 provider_message_id=decision.provider_message_id,
+                duration=duration,
+                outcome=outcome,
             )
             return
         level = logging.WARNING if decision.action is Action.HOLD else logging.INFO
@@ -535,12 +565,17 @@ class Relay:
             category=claim.category,
             code=decision.code,
             provider_message_id=decision.provider_message_id,
+            duration=duration,
+            outcome=outcome,
         )
 
 
+def _outcome_name(outcome: Outcome | None) -> str:
+    return "invalid_payload" if outcome is None else _OUTCOME_NAMES[type(outcome)]
+
+
 def _attempt(done: _Done, relay_id: str, *, stale: bool) -> store.AttemptRecord:
-    outcome = done.outcome
-    name = "invalid_payload" if outcome is None else _OUTCOME_NAMES[type(outcome)]
+    name = _outcome_name(done.outcome)
     return store.AttemptRecord(
         message_id=done.claim.id,
         claim_token=done.claim.claim_token,

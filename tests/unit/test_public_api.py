@@ -52,6 +52,8 @@ EXPORTS = {
     "relay.testing": ["FakeSender", "read_deliveries", "sender_from_env"],
     "relay.worker": ["Relay"],
     "relay.db": ["READ_COMMITTED", "make_engine"],
+    "relay.http": ["Server", "start_http_server"],
+    "relay.metrics": ["CLAIM_BUCKETS", "SEND_BUCKETS", "RelayMetrics"],
 }
 
 

@@ -1,0 +1,275 @@
+"""Prometheus metrics of one relay, on a registry of its own.
+
+:class:`RelayMetrics` counts what the relay's signals report (connected with ``sender=relay``,
+so several relays in one process never mix their numbers) and reads the relay's state when
+scraped. The lag comes from the ``outbox_lag`` view, read on a short connection of the relay's
+engine by the scraping thread, at most once every ``lag_interval`` seconds: never on the
+relay's own loop.
+
+=================================== ========= ==================== =================================
+name                                type      labels               what
+=================================== ========= ==================== =================================
+``outbox_messages_total``           counter   outcome, category    transitions this relay made:
+                                                                   sent, retry_scheduled, failed,
+                                                                   unknown_outcome, released,
+                                                                   expired, stale_finalize
+``outbox_claims_total``             counter   category             messages claimed under a lease
+``outbox_claim_duration_seconds``   histogram                      claim transactions (checkout,
+                                                                   claim statements, commit),
+                                                                   including those finding nothing
+``outbox_send_duration_seconds``    histogram category             provider calls
+``outbox_in_flight``                gauge                          sends in progress
+``outbox_send_rate_limit``          gauge                          this relay's current limit in
+                                                                   recipients/s; absent when
+                                                                   unlimited
+``outbox_paused``                   gauge                          1 while the provider has sending
+                                                                   paused, else 0
+``outbox_lag_seconds``              gauge     category             age of the oldest due message
+                                                                   (0 once none is due)
+``outbox_due_messages``             gauge     category             messages due now
+``outbox_lag_refresh_errors_total`` counter                        failed reads of ``outbox_lag``
+                                                                   (the lag series are left out
+                                                                   until a read works again)
+``outbox_relay_info``               gauge     relay_id, sender,    always 1
+                                              version
+=================================== ========= ==================== =================================
+
+The page leaves out the client library's ``*_created`` series: in the text format they are
+gauges of their own, one per counter and histogram child, that no dashboard reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import sqlalchemy as sa
+from blinker import NamedSignal
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from relay import signals
+from relay.worker import Relay
+
+__all__ = ["CLAIM_BUCKETS", "SEND_BUCKETS", "RelayMetrics"]
+
+log = logging.getLogger("relay.metrics")
+
+SEND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+_OUTCOME_SIGNALS: dict[str, NamedSignal] = {
+    "sent": signals.sent,
+    "retry_scheduled": signals.retry_scheduled,
+    "failed": signals.failed,
+    "unknown_outcome": signals.unknown_outcome,
+    "released": signals.released,
+    "expired": signals.expired,
+    "stale_finalize": signals.stale_finalize,
+}
+_LAG_QUERY = sa.text("SELECT category, due_count, lag_seconds FROM outbox_lag")
+
+Receiver = Callable[..., None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Due:
+    count: float
+    lag_seconds: float
+
+
+def _package_version() -> str:
+    try:
+        return version("sqlalchemy-outbox")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class RelayMetrics:
+    """The metrics of ``relay``, in :attr:`registry` (a ``CollectorRegistry`` of its own).
+
+    Create it before ``relay.run()`` so nothing goes uncounted; :meth:`close` disconnects it.
+    """
+
+    def __init__(self, relay: Relay, *, lag_interval: float = 5.0) -> None:
+        self.relay = relay
+        self.lag_interval = lag_interval
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.messages = Counter(
+            "outbox_messages",
+            "Message transitions made by this relay, by outcome.",
+            ["outcome", "category"],
+            registry=r,
+        )
+        self.claims = Counter(
+            "outbox_claims", "Messages claimed under a lease.", ["category"], registry=r
+        )
+        self.claim_duration = Histogram(
+            "outbox_claim_duration_seconds",
+            "Seconds one claim transaction took (connection, claim statements, commit).",
+            buckets=CLAIM_BUCKETS,
+            registry=r,
+        )
+        self.send_duration = Histogram(
+            "outbox_send_duration_seconds",
+            "Seconds one provider call took.",
+            ["category"],
+            buckets=SEND_BUCKETS,
+            registry=r,
+        )
+        Info("outbox_relay", "The relay this process runs.", registry=r).info(
+            {
+                "relay_id": relay.relay_id,
+                "sender": str(getattr(relay.sender, "name", type(relay.sender).__name__)),
+                "version": _package_version(),
+            }
+        )
+        r.register(_StateCollector(self))
+        self.lag_errors = 0  # failed reads of outbox_lag
+        self._lag_lock = threading.Lock()
+        self._lag: dict[str, _Due] | None = None  # None: never read, or the last read failed
+        self._lag_read_at = -float("inf")
+        self._categories: set[str] = set()  # seen due once: reported as 0 while none is due
+        self._receivers: list[tuple[NamedSignal, Receiver]] = []
+        for outcome, signal in _OUTCOME_SIGNALS.items():
+            self._connect(signal, self._counter(outcome))
+        self._connect(signals.claimed, self._on_claimed)
+        self._connect(signals.claim_completed, self._on_claim_completed)
+
+    # -- signals ---------------------------------------------------------------------------
+
+    def _connect(self, signal: NamedSignal, receiver: Receiver) -> None:
+        # Weak references (blinker's default): the receivers live as long as this object.
+        signal.connect(receiver, sender=self.relay)
+        self._receivers.append((signal, receiver))
+
+    def _counter(self, outcome: str) -> Receiver:
+        def receive(_sender: Any, **kw: Any) -> None:
+            category = str(kw.get("category") or "")
+            self.messages.labels(outcome=outcome, category=category).inc()
+            duration = kw.get("duration")
+            if duration is not None:
+                self.send_duration.labels(category=category).observe(duration)
+
+        return receive
+
+    def _on_claimed(self, _sender: Any, **kw: Any) -> None:
+        self.claims.labels(category=str(kw.get("category") or "")).inc()
+
+    def _on_claim_completed(self, _sender: Any, **kw: Any) -> None:
+        self.claim_duration.observe(kw["duration"])
+
+    def close(self) -> None:
+        """Stop counting (disconnect from the relay's signals)."""
+        for signal, receiver in self._receivers:
+            signal.disconnect(receiver, sender=self.relay)
+        self._receivers.clear()
+
+    # -- lag -------------------------------------------------------------------------------
+
+    def refresh_lag(self) -> None:
+        """Read ``outbox_lag`` now, on a short connection from the relay's engine."""
+        try:
+            with self.relay.engine.connect() as conn:
+                rows = conn.execute(_LAG_QUERY).all()
+        except Exception as exc:
+            self.lag_errors += 1
+            self._lag = None
+            log.warning(
+                "cannot read outbox_lag: %s",
+                getattr(exc, "orig", None) or exc,
+                extra={"action": "metrics_lag_error"},
+            )
+            return
+        finally:
+            self._lag_read_at = time.monotonic()
+        due = {str(r.category): _Due(float(r.due_count), float(r.lag_seconds)) for r in rows}
+        self._categories |= due.keys()
+        self._lag = due
+
+    def lag(self) -> dict[str, tuple[float, float]] | None:
+        """``{category: (due_count, lag_seconds)}``, read again if older than ``lag_interval``;
+        None if the last read failed. A scrape that finds another one reading uses the last
+        values rather than wait."""
+        if time.monotonic() - self._lag_read_at >= self.lag_interval and self._lag_lock.acquire(
+            blocking=False
+        ):
+            try:
+                if time.monotonic() - self._lag_read_at >= self.lag_interval:
+                    self.refresh_lag()
+            finally:
+                self._lag_lock.release()
+        due = self._lag
+        if due is None:
+            return None
+        idle = {c: (0.0, 0.0) for c in self._categories}
+        return idle | {c: (d.count, d.lag_seconds) for c, d in due.items()}
+
+    # -- exposition ------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format, without ``*_created`` series."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated(Collector):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self._registry.collect():
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
+
+
+class _StateCollector(Collector):
+    """The gauges read from the relay (and the lag view) at scrape time."""
+
+    def __init__(self, metrics: RelayMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        relay = self._metrics.relay
+        yield GaugeMetricFamily("outbox_in_flight", "Sends in progress.", value=relay.in_flight)
+        yield GaugeMetricFamily(
+            "outbox_paused",
+            "1 while the provider has sending paused, else 0.",
+            value=1.0 if relay.paused else 0.0,
+        )
+        limit = GaugeMetricFamily(
+            "outbox_send_rate_limit",
+            "This relay's current send limit in recipients per second (absent: no limit).",
+        )
+        rate = relay.limiter.rate
+        if rate is not None:
+            limit.add_metric([], rate)
+        yield limit
+        lag = GaugeMetricFamily(
+            "outbox_lag_seconds",
+            "Age of the oldest message due now, from the outbox_lag view.",
+            labels=["category"],
+        )
+        due = GaugeMetricFamily(
+            "outbox_due_messages",
+            "Messages due now, from the outbox_lag view.",
+            labels=["category"],
+        )
+        for category, (count, seconds) in sorted((self._metrics.lag() or {}).items()):
+            lag.add_metric([category], seconds)
+            due.add_metric([category], count)
+        yield lag
+        yield due
+        yield CounterMetricFamily(
+            "outbox_lag_refresh_errors",
+            "Reads of the outbox_lag view that failed.",
+            value=self._metrics.lag_errors,
+        )

@@ -1,0 +1,432 @@
+"""Health, readiness and Prometheus metrics of a relay running in a thread, over real HTTP."""
+
+from __future__ import annotations
+
+import collections
+import importlib.metadata
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.orm import Session
+
+from outbox import Category, Email, Outbox
+from outbox.schema import attempts, messages
+from relay.config import RelayConfig
+from relay.db import make_engine
+from relay.http import start_http_server
+from relay.metrics import RelayMetrics
+from relay.senders import Accepted, Disabled, OutgoingMessage, Permanent, Transient
+from relay.testing import FakeSender
+from relay.worker import Relay
+
+VERSION = importlib.metadata.version("sqlalchemy-outbox")
+OB = Outbox(categories=[Category(name="fast", max_attempts=5, backoff_base=0.02, backoff_cap=0.05)])
+
+
+def enqueue(engine, n: int, **kw) -> list[int]:
+    ids = []
+    with Session(engine) as session:
+        for i in range(n):
+            email = Email(
+                sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"#{i}", text="hi"
+            )
+            ids.append(OB.enqueue(session, email, **kw).id)
+        session.commit()
+    return ids
+
+
+def make_relay(backend, sender, *, engine=None, url=None, clock=None, **settings) -> Relay:
+    config = RelayConfig(
+        database_url=url or backend.url,
+        relay_id=settings.pop("relay_id", "http-relay"),
+        **{
+            "poll_interval": 0.05,
+            "send_timeout": 1.0,
+            "lease_seconds": 5.0,
+            "drain_seconds": 5.0,
+            **settings,
+        },
+    )
+    kwargs = {"clock": clock} if clock is not None else {}
+    return Relay(engine=engine or backend.engine, sender=sender, config=config, **kwargs)
+
+
+class Page:
+    def __init__(self, status: int, body: str, content_type: str) -> None:
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+class Endpoint:
+    """A relay's HTTP server and its metrics."""
+
+    def __init__(self, server, metrics: RelayMetrics) -> None:
+        self.server, self.metrics = server, metrics
+
+    def get(self, path: str, method: str = "GET") -> Page:
+        url = f"http://127.0.0.1:{self.server.port}{path}"
+        request = urllib.request.Request(url, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return Page(
+                    response.status, response.read().decode(), response.headers["Content-Type"]
+                )
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return Page(exc.code, exc.read().decode(), exc.headers["Content-Type"])
+
+    def samples(self) -> dict[tuple[str, frozenset], float]:
+        """Every sample of /metrics, parsed by the Prometheus client's own parser."""
+        page = self.get("/metrics")
+        assert page.status == 200
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(page.body)
+            for s in family.samples
+        }
+
+
+def value(samples, name: str, **labels) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def named(samples, name: str) -> dict[frozenset, float]:
+    return {labels: v for (n, labels), v in samples.items() if n == name}
+
+
+@contextmanager
+def serving(relay: Relay, *, lag_interval: float = 0.0, **http):
+    metrics = RelayMetrics(relay, lag_interval=lag_interval)
+    server = start_http_server(relay, metrics, 0, "127.0.0.1", **http)
+    try:
+        yield Endpoint(server, metrics)
+    finally:
+        server.stop()
+        metrics.close()
+
+
+@contextmanager
+def running(relay: Relay):
+    thread = threading.Thread(target=relay.run, name="relay-under-test", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: relay.loop_at is not None)
+        yield thread
+    finally:
+        relay.request_stop()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def db_counts(engine, query: str) -> dict[tuple, int]:
+    with engine.connect() as conn:
+        return {tuple(row[:-1]): int(row[-1]) for row in conn.execute(sa.text(query))}
+
+
+# -- health and readiness ------------------------------------------------------------------
+
+
+def test_health_and_readiness_follow_the_relay_loop(backend):
+    relay = make_relay(backend, FakeSender())
+    with serving(relay) as http:
+        page = http.get("/healthz")
+        assert (page.status, page.body) == (503, "starting\n")
+        with running(relay):
+            page = http.get("/healthz")
+            assert (page.status, page.body, page.content_type) == (
+                200,
+                "ok\n",
+                "text/plain; charset=utf-8",
+            )
+            assert (http.get("/readyz").status, http.get("/readyz").body) == (200, "ok\n")
+            assert http.get("/healthz?probe=k8s").status == 200
+            assert (http.get("/healthz", method="HEAD").status, http.get("/nope").status) == (
+                200,
+                404,
+            )
+            assert http.get("/metrics/extra").status == 404
+        assert (http.get("/healthz").status, http.get("/healthz").body) == (503, "stopped\n")
+        assert (http.get("/readyz").status, http.get("/readyz").body) == (503, "draining\n")
+
+
+def test_healthz_fails_while_the_loop_is_stuck(backend):
+    """A clock that blocks stands in for a loop stuck on a hung connection."""
+    gate = threading.Event()
+    gate.set()
+
+    def clock() -> datetime:
+        gate.wait(10)
+        return datetime.now(UTC)
+
+    relay = make_relay(backend, FakeSender(), clock=clock)
+    with serving(relay, stall_seconds=0.3) as http, running(relay):
+        assert http.get("/healthz").status == 200
+        gate.clear()
+        time.sleep(0.6)
+        page = http.get("/healthz")
+        assert page.status == 503
+        assert page.body.startswith("loop stalled for ")
+        gate.set()
+        wait_for(lambda: http.get("/healthz").status == 200)
+
+
+def test_readyz_is_503_while_paused_and_the_lag_shows_the_waiting_message(backend):
+    (mid,) = enqueue(backend.engine, 1)
+    sender = FakeSender(lambda m: Disabled(code="AccountSendingPausedException", pause=True))
+    relay = make_relay(backend, sender, pause_seconds=300)
+    with serving(relay) as http, running(relay):
+        wait_for(lambda: relay.paused)
+        page = http.get("/readyz")
+        assert (page.status, page.body) == (503, "paused: AccountSendingPausedException\n")
+        assert http.get("/healthz").status == 200, "a paused relay is alive"
+        # The released message is due and nobody sends it: make it two minutes late.
+        with backend.engine.begin() as conn:
+            conn.execute(
+                sa.update(messages)
+                .where(messages.c.id == mid)
+                .values(next_attempt_at=datetime.now(UTC) - timedelta(seconds=120))
+            )
+        samples = http.samples()
+        assert value(samples, "outbox_paused") == 1.0
+        assert value(samples, "outbox_messages_total", outcome="released", category="default") == 1
+        assert 119.0 <= value(samples, "outbox_lag_seconds", category="default") < 180.0
+        assert value(samples, "outbox_due_messages", category="default") == 1.0
+        assert value(samples, "outbox_send_duration_seconds_count", category="default") == 1
+        assert len(sender.calls) == 1, "no probe before pause_seconds"
+    with backend.engine.connect() as conn:
+        status = conn.execute(sa.select(messages.c.status)).scalar_one()
+    assert status == "pending"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://outbox:s3cret-pw@127.0.0.1:1/outbox",
+        "mysql+pymysql://outbox:s3cret-pw@127.0.0.1:1/outbox",
+        "sqlite:////nonexistent-outbox-dir/sub/outbox.db",
+    ],
+    ids=["postgresql", "mysql", "sqlite"],
+)
+def test_readyz_reports_an_unreachable_database_without_its_password(url):
+    engine = make_engine(url)
+    try:
+        relay = make_relay(None, FakeSender(), engine=engine, url=url)
+        with serving(relay) as http:
+            page = http.get("/readyz")
+            assert page.status == 503
+            assert page.body.startswith("database unreachable: OperationalError: ")
+            assert "s3cret-pw" not in page.body
+            assert page.body.count("\n") == 1, "one short line"
+            assert http.get("/readyz").body == page.body, "cached, same answer"
+            # /metrics still answers; the lag it cannot read is left out and counted.
+            samples = http.samples()
+            assert value(samples, "outbox_lag_refresh_errors_total") == 1.0
+            assert named(samples, "outbox_lag_seconds") == {}
+            assert value(samples, "outbox_paused") == 0.0
+    finally:
+        engine.dispose()
+
+
+def test_readyz_answers_within_its_timeout_when_the_database_hangs():
+    """A server that accepts connections and never answers: the probe gives up after
+    db_timeout, and later requests do not pile up more probes behind the hung one."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/outbox"
+        engine = make_engine(url)
+        try:
+            relay = make_relay(None, FakeSender(), engine=engine, url=url)
+            with serving(relay, db_timeout=0.3) as http:
+                began = time.monotonic()
+                page = http.get("/readyz")
+                assert time.monotonic() - began < 2.0
+                assert (page.status, page.body) == (
+                    503,
+                    "database unreachable: no answer within 0.3s\n",
+                )
+                probes = [t for t in threading.enumerate() if t.name == "outbox-db-probe"]
+                began = time.monotonic()
+                assert http.get("/readyz").status == 503
+                assert time.monotonic() - began < 0.25, "the hung probe is not waited on again"
+                again = [t for t in threading.enumerate() if t.name == "outbox-db-probe"]
+                assert len(probes) == len(again) == 1
+        finally:
+            listener.close()  # resets the connection the probe waits on
+            for t in threading.enumerate():
+                if t.name == "outbox-db-probe":
+                    t.join(10)
+            engine.dispose()
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def test_metrics_match_what_the_database_holds(backend):
+    """8 messages: two fail transiently once, one twice, one permanently."""
+    ids = enqueue(backend.engine, 8, category="fast")
+    script = {("#0", 1), ("#1", 1), ("#3", 1), ("#3", 2)}
+
+    def outcome(message: OutgoingMessage):
+        if (message.email.subject, message.attempt) in script:
+            return Transient(code="ServiceUnavailable")
+        if message.email.subject == "#2":
+            return Permanent(code="MessageRejected")
+        return Accepted(provider_message_id=f"p-{message.id}")
+
+    sender = FakeSender(outcome, latency=0.01)
+    relay = make_relay(backend, sender)
+    with serving(relay) as http, running(relay):
+        open_states = "SELECT COUNT(*) FROM outbox_messages WHERE status IN "
+        open_states += "('pending', 'retrying', 'processing')"
+        wait_for(lambda: db_counts(backend.engine, open_states) == {(): 0})
+
+        def finished_counting():
+            s = http.samples()
+            done = value(s, "outbox_messages_total", outcome="sent", category="fast") or 0
+            done += value(s, "outbox_messages_total", outcome="failed", category="fast") or 0
+            return done == len(ids)
+
+        wait_for(finished_counting)  # signals fire just after each commit
+        samples = http.samples()
+
+    by_status = db_counts(
+        backend.engine, "SELECT category, status, COUNT(*) FROM outbox_messages GROUP BY 1, 2"
+    )
+    summary = db_counts(
+        backend.engine, "SELECT category, status, message_count FROM outbox_status_summary"
+    )
+    assert by_status == summary == {("fast", "sent"): 7, ("fast", "failed"): 1}
+    counters = {
+        (labels["category"], labels["outcome"]): v
+        for labels, v in ((dict(k), v) for k, v in named(samples, "outbox_messages_total").items())
+    }
+    with backend.engine.connect() as conn:
+        attempt_outcomes = collections.Counter(
+            conn.execute(sa.select(attempts.c.outcome)).scalars()
+        )
+    assert attempt_outcomes == {"accepted": 7, "transient": 4, "permanent": 1}
+    assert counters == {
+        ("fast", "sent"): summary["fast", "sent"],
+        ("fast", "failed"): summary["fast", "failed"],
+        ("fast", "retry_scheduled"): attempt_outcomes["transient"],
+    }
+    sends = sum(attempt_outcomes.values())
+    assert len(sender.calls) == sends == 12
+    assert value(samples, "outbox_claims_total", category="fast") == sends
+    assert value(samples, "outbox_send_duration_seconds_count", category="fast") == sends
+    assert value(samples, "outbox_send_duration_seconds_sum", category="fast") >= 0.01 * sends
+    assert value(samples, "outbox_send_duration_seconds_bucket", category="fast", le="+Inf") == 12
+    assert value(samples, "outbox_claim_duration_seconds_count") > 0
+    assert value(samples, "outbox_claim_duration_seconds_sum") > 0
+    assert value(samples, "outbox_in_flight") == 0.0
+    assert value(samples, "outbox_paused") == 0.0
+    assert named(samples, "outbox_send_rate_limit") == {}, "absent: no limit"
+    assert value(
+        samples, "outbox_relay_info", relay_id="http-relay", sender="fake", version=VERSION
+    )
+
+
+def test_metrics_page_is_prometheus_text_with_conventional_names(backend):
+    relay = make_relay(backend, FakeSender())
+    with serving(relay) as http:
+        page = http.get("/metrics")
+    assert (page.status, page.content_type) == (200, CONTENT_TYPE_LATEST)
+    families = {f.name: f.type for f in text_string_to_metric_families(page.body)}
+    assert families == {
+        "outbox_messages": "counter",
+        "outbox_claims": "counter",
+        "outbox_claim_duration_seconds": "histogram",
+        "outbox_send_duration_seconds": "histogram",
+        "outbox_relay_info": "gauge",
+        "outbox_in_flight": "gauge",
+        "outbox_paused": "gauge",
+        "outbox_send_rate_limit": "gauge",
+        "outbox_lag_seconds": "gauge",
+        "outbox_due_messages": "gauge",
+        "outbox_lag_refresh_errors": "counter",
+    }
+    assert "_created" not in page.body
+    assert "# HELP outbox_send_rate_limit " in page.body
+    assert "python_gc" not in page.body, "a registry of its own, not the global one"
+
+
+def test_in_flight_and_rate_limit_gauges_read_the_running_relay(backend):
+    """#0 is throttled once (the relay halves its rate), #1 hangs in flight until released."""
+    enqueue(backend.engine, 2)
+    gate = threading.Event()
+
+    def outcome(message: OutgoingMessage):
+        if message.email.subject == "#0" and message.attempt == 1:
+            return Transient(code="Throttling", throttled=True)
+        if message.email.subject == "#1":
+            gate.wait(10)
+        return Accepted(provider_message_id=f"p-{message.id}")
+
+    relay = make_relay(backend, FakeSender(outcome), max_send_rate=5.0)
+    with serving(relay) as http:
+        assert value(http.samples(), "outbox_send_rate_limit") == 5.0
+        with running(relay):
+            try:
+                wait_for(lambda: relay.in_flight == 1 and relay.limiter.rate < 4.0)
+                samples = http.samples()
+                assert value(samples, "outbox_in_flight") == 1.0
+                assert value(samples, "outbox_send_rate_limit") == pytest.approx(2.5, abs=0.5)
+            finally:
+                gate.set()
+            wait_for(lambda: value(http.samples(), "outbox_in_flight") == 0.0)
+
+
+def test_each_relay_counts_only_its_own_messages(backend):
+    enqueue(backend.engine, 3)
+    first = make_relay(backend, FakeSender(), relay_id="first", exit_when_idle=True)
+    second = make_relay(backend, FakeSender(), relay_id="second")
+    with serving(first) as one, serving(second) as two:
+        first.run()
+        counted = named(one.samples(), "outbox_messages_total")
+        assert counted == {frozenset({("outcome", "sent"), ("category", "default")}): 3.0}
+        assert named(two.samples(), "outbox_messages_total") == {}
+        info = named(two.samples(), "outbox_relay_info")
+        assert info == {
+            frozenset({("relay_id", "second"), ("sender", "fake"), ("version", VERSION)}): 1.0
+        }
+
+
+def test_lag_is_read_at_most_once_per_interval(backend):
+    relay = make_relay(backend, FakeSender())
+    with serving(relay, lag_interval=3600) as http:
+        assert named(http.samples(), "outbox_lag_seconds") == {}, "nothing due"
+        (mid,) = enqueue(backend.engine, 1)
+        with backend.engine.begin() as conn:
+            conn.execute(
+                sa.update(messages)
+                .where(messages.c.id == mid)
+                .values(next_attempt_at=datetime.now(UTC) - timedelta(seconds=30))
+            )
+        assert named(http.samples(), "outbox_lag_seconds") == {}, "cached"
+        http.metrics.refresh_lag()
+        samples = http.samples()
+        assert 29.0 <= value(samples, "outbox_lag_seconds", category="default") < 90.0
+        with backend.engine.begin() as conn:
+            conn.execute(sa.delete(messages))
+        http.metrics.refresh_lag()
+        samples = http.samples()
+        assert value(samples, "outbox_lag_seconds", category="default") == 0.0, "seen: kept at 0"
+        assert value(samples, "outbox_due_messages", category="default") == 0.0
