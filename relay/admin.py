@@ -7,10 +7,11 @@ filter stops it with a message and no change. Bulk changes (filters instead of i
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -115,6 +116,18 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+@contextlib.contextmanager
+def _database(url: str) -> Iterator[sa.Engine]:
+    """The engine for one command; a database error ends the command with one line."""
+    engine = open_engine(url)
+    try:
+        yield engine
+    except sa.exc.DBAPIError as exc:
+        raise click.ClickException(f"database error: {exc.orig}") from None
+    finally:
+        engine.dispose()
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, default=str, indent=2, sort_keys=True)
 
@@ -134,18 +147,14 @@ def _operator() -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(database_url: str, as_json: bool) -> None:
     """What the outbox holds: counts per status and category, lag, failures, relays."""
-    engine = open_engine(database_url)
-    try:
-        with engine.connect() as conn:
-            report: dict[str, Any] = {
-                view: store.read_view(conn, f"outbox_{view}")
-                for view in ("status_summary", "lag", "failures", "relay_health")
-            }
-            report["unknown_outcomes"] = store.count_messages(
-                conn, store.Filter(statuses=(Status.UNKNOWN_OUTCOME.value,))
-            )
-    finally:
-        engine.dispose()
+    with _database(database_url) as engine, engine.connect() as conn:
+        report: dict[str, Any] = {
+            view: store.read_view(conn, f"outbox_{view}")
+            for view in ("status_summary", "lag", "failures", "relay_health")
+        }
+        report["unknown_outcomes"] = store.count_messages(
+            conn, store.Filter(statuses=(Status.UNKNOWN_OUTCOME.value,))
+        )
     if as_json:
         click.echo(_json(report))
         return
@@ -190,15 +199,10 @@ def status(database_url: str, as_json: bool) -> None:
 def list_(database_url: str, limit: int, after_id: int | None, as_json: bool, **f: Any) -> None:
     """List messages, oldest id first, with filters and paging."""
     flt = _filter(**f)
-    engine = open_engine(database_url)
-    try:
-        with engine.connect() as conn:
-            rows = [
-                dict(r._mapping)
-                for r in store.list_messages(conn, flt, limit=limit, after_id=after_id)
-            ]
-    finally:
-        engine.dispose()
+    with _database(database_url) as engine, engine.connect() as conn:
+        rows = [
+            dict(r._mapping) for r in store.list_messages(conn, flt, limit=limit, after_id=after_id)
+        ]
     if as_json:
         click.echo(_json(rows))
         return
@@ -231,12 +235,8 @@ def list_(database_url: str, limit: int, after_id: int | None, as_json: bool, **
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(database_url: str, message_id: int, as_json: bool) -> None:
     """One message and every attempt made for it (bodies are not shown)."""
-    engine = open_engine(database_url)
-    try:
-        with engine.connect() as conn:
-            row, history = store.get_message(conn, message_id)
-    finally:
-        engine.dispose()
+    with _database(database_url) as engine, engine.connect() as conn:
+        row, history = store.get_message(conn, message_id)
     if row is None:
         raise click.ClickException(f"no message with id {message_id}")
     message = dict(row._mapping)
@@ -319,33 +319,27 @@ def _change(
     if not ids and not any(filters.values()):
         raise click.UsageError(f"give the ids to {verb}, or filters (with --yes)")
     flt = _filter(**filters)
-    engine = open_engine(database_url)
-    try:
-        with engine.begin() as conn:
-            chosen = _select(conn, ids, flt, allowed, verb)
-            if not ids and not yes:
-                raise click.UsageError(
-                    f"{len(chosen)} messages match; add --yes to {verb} them all"
+    with _database(database_url) as engine, engine.begin() as conn:
+        chosen = _select(conn, ids, flt, allowed, verb)
+        if not ids and not yes:
+            raise click.UsageError(f"{len(chosen)} messages match; add --yes to {verb} them all")
+        now = utcnow()
+        done = [i for i in chosen if apply(conn, message_id=i, now=now)]
+        store.record_attempts(
+            conn,
+            (
+                store.AttemptRecord(
+                    message_id=i,
+                    claim_token=None,
+                    relay_id=_operator(),
+                    started_at=None,
+                    finished_at=now,
+                    outcome=f"{verb}d" if verb.endswith("e") else f"{verb}ed",
+                    error_message=reason,
                 )
-            now = utcnow()
-            done = [i for i in chosen if apply(conn, message_id=i, now=now)]
-            store.record_attempts(
-                conn,
-                (
-                    store.AttemptRecord(
-                        message_id=i,
-                        claim_token=None,
-                        relay_id=_operator(),
-                        started_at=None,
-                        finished_at=now,
-                        outcome=f"{verb}d" if verb.endswith("e") else f"{verb}ed",
-                        error_message=reason,
-                    )
-                    for i in done
-                ),
-            )
-    finally:
-        engine.dispose()
+                for i in done
+            ),
+        )
     skipped = len(chosen) - len(done)
     tail = f" ({skipped} moved meanwhile and were left alone)" if skipped else ""
     click.echo(
@@ -412,10 +406,13 @@ def cancel(
     default="30d",
     help="Never delete messages younger than this: a pruned key can be enqueued again.",
 )
-@option(
+@click.option(
     "--batch-size",
     type=click.IntRange(1, 100_000),
     default=1000,
+    envvar="OUTBOX_PRUNE_BATCH_SIZE",  # not OUTBOX_BATCH_SIZE: that one is the relay's
+    show_envvar=True,
+    show_default=True,
     help="Rows deleted per transaction.",
 )
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
@@ -431,9 +428,8 @@ def prune(
     short transaction.
     """
     cutoff = utcnow() - max(older_than, dedup_window)
-    engine = open_engine(database_url)
     total = 0
-    try:
+    with _database(database_url) as engine:
         if dry_run:
             with engine.connect() as conn:
                 total = store.count_messages(
@@ -450,8 +446,6 @@ def prune(
             total += deleted
             if deleted < batch_size:
                 break
-    finally:
-        engine.dispose()
     click.echo(f"deleted {total} message(s) created before {cutoff:%Y-%m-%d %H:%M} UTC")
 
 

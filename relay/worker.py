@@ -46,6 +46,7 @@ __all__ = ["Relay"]
 
 log = logging.getLogger("relay")
 
+LIVE_REFRESH = 1.0  # seconds between counts of live relays when a send rate is set
 EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
 AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 
@@ -115,6 +116,8 @@ class Relay:
         self._ready: list[tuple[store.Claim, Email]] = []  # claimed, not yet started
         self._unsaved: list[_Done] = []  # finished sends whose finalize has not committed yet
         self._last_heartbeat = 0.0
+        self._last_live_count = 0.0
+        self._sends_from = 0.0
         self._paused_until: float | None = None  # monotonic; None when not paused
         self._probing = False
         self._last_expire = 0.0
@@ -196,12 +199,14 @@ class Relay:
         return self._start_ready() or busy
 
     def _claim(self, now: datetime) -> bool:
+        if time.monotonic() < self._sends_from:
+            return False
         free = self.config.concurrency - len(self._in_flight) - len(self._ready)
         limit = min(free, self.config.batch_size, int(min(self.limiter.available(), 1e9)))
+        paused = self._paused_until is not None
         if self._paused_until is not None:
             if self._probing or time.monotonic() < self._paused_until or self._in_flight:
                 return False
-            self._probing = True  # one message tells whether sending works again
             limit = min(limit, 1)
         if limit <= 0:
             return False
@@ -239,6 +244,11 @@ class Relay:
         if poison:
             self._unsaved.extend(poison)
             self._finalize()
+        if paused:
+            if self._ready:
+                self._probing = True  # one message tells whether sending works again
+            else:  # nothing to probe with: look again after another pause period
+                self._paused_until = time.monotonic() + self.config.pause_seconds
         return bool(claims or expired)
 
     def _start_ready(self) -> bool:
@@ -262,6 +272,9 @@ class Relay:
                     "lease lost before the send started; not sending",
                     extra={"action": "lease_lost", "message_id": claim.id},
                 )
+                if self._probing:  # the probe is gone: probe again after another pause
+                    self._probing = False
+                    self._paused_until = time.monotonic() + self.config.pause_seconds
                 continue
             message = OutgoingMessage(
                 id=claim.id,
@@ -348,6 +361,7 @@ class Relay:
             self._paused_until = None
             self.pause_code = None
             self.state = "running"
+            self._last_heartbeat = 0.0  # show the resumption in outbox_relays at once
             log.warning("sending works again; resuming", extra={"action": "resumed"})
 
     def _pause(self, seconds: float, code: str) -> None:
@@ -424,10 +438,23 @@ class Relay:
                         level,
                         extra={"action": "isolation_level"},
                     )
+            if self.rate.total is not None:
+                self.rate.set_replicas(
+                    store.live_relays(conn, now=now, within=3 * self.config.heartbeat_interval)
+                )
         self._last_heartbeat = time.monotonic()
+        if self.rate.total is not None:
+            # relays already running learn of this one within LIVE_REFRESH; until their
+            # shares have shrunk (and a window has passed), this one sends nothing
+            self._sends_from = time.monotonic() + LIVE_REFRESH + self.limiter.base_window
         log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
 
     def _heartbeat(self, now: datetime) -> None:
+        if self.rate.total is not None and time.monotonic() - self._last_live_count >= LIVE_REFRESH:
+            with self.engine.begin() as conn:
+                within = 3 * self.config.heartbeat_interval
+                self.rate.set_replicas(store.live_relays(conn, now=now, within=within))
+            self._last_live_count = time.monotonic()
         if time.monotonic() - self._last_heartbeat < self.config.heartbeat_interval:
             return
         with self.engine.begin() as conn:
@@ -494,6 +521,7 @@ class Relay:
     def _idle(self) -> bool:
         """Nothing held, and the last claim was not cut short by the rate limit."""
         busy = self._in_flight or self._ready or self._unsaved or self.paused
+        busy = busy or time.monotonic() < self._sends_from
         return not busy and self.limiter.available() >= 1
 
     def _wait(self) -> None:

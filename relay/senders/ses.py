@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -205,8 +206,16 @@ def build_client(
     and a connection pool as large as the relay's concurrency. Refuses to build without a
     region or credentials."""
     session = boto3.session.Session(region_name=region)
+    if not session.region_name and os.environ.get("AWS_REGION"):
+        # boto3 reads AWS_DEFAULT_REGION only; AWS_REGION is what every other SDK, ECS and
+        # Lambda use
+        session = boto3.session.Session(region_name=os.environ["AWS_REGION"])
     if not session.region_name:
-        raise ConfigurationError("AWS_REGION", "no AWS region configured for SES")
+        raise ConfigurationError(
+            "AWS_REGION",
+            "no AWS region configured for SES (AWS_REGION, AWS_DEFAULT_REGION "
+            "or the profile's region)",
+        )
     if session.get_credentials() is None:
         raise ConfigurationError(
             "AWS credentials", "none found in the standard chain (env, profile, role)"

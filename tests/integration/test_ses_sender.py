@@ -1,0 +1,365 @@
+"""``SesSender`` through real boto3 and botocore, against moto behind a fault-injecting proxy.
+
+Every SES answer (and every way of not answering) is produced on the wire, so what is tested is
+the whole chain: botocore's parsing of a restJson1 error, its retry settings, its timeouts and
+connection handling, and ``classify``. Each send must be exactly one HTTP request: a hidden
+retry of a request SES may already have taken is how a duplicate email is born.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import time
+
+import pytest
+
+from outbox import Email
+from outbox.exceptions import ConfigurationError
+from outbox.message import Attachment
+from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
+from relay.senders.ses import SesSender, build_client
+from tests.ses_emulator import FaultPlan, FaultServer, MotoSes, aws_env
+
+SEND_TIMEOUT = 0.5  # the read timeout of the client under test
+HANG_SECONDS = 2.0  # how long a "hang" holds its answer: well past the read timeout
+
+AWS_VARIABLES = (
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_SESV2",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+)
+
+
+@pytest.fixture(scope="module")
+def moto():
+    server = MotoSes()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def ses(moto):
+    """A fresh moto (sender verified, nothing sent) behind a fault server that passes all."""
+    moto.reset()
+    with FaultServer(moto.url, FaultPlan(hang_seconds=HANG_SECONDS)) as server:
+        yield server
+
+
+def _clear_aws(monkeypatch, tmp_path):
+    for name in AWS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture
+def endpoint(monkeypatch, tmp_path):
+    """Point the standard AWS chain (env only) at a URL: ``endpoint(url)``."""
+    _clear_aws(monkeypatch, tmp_path)
+
+    def point(url):
+        for name, value in aws_env(url).items():
+            monkeypatch.setenv(name, value)
+
+    return point
+
+
+@pytest.fixture
+def sender(ses, endpoint):
+    endpoint(ses.url)
+    return SesSender(build_client(send_timeout=SEND_TIMEOUT, concurrency=1))
+
+
+def message(n: int = 1, *, category: str = "default", **fields) -> OutgoingMessage:
+    values = {
+        "sender": "Shop <shop@example.com>",
+        "to": [f"customer{n}@example.com"],
+        "subject": f"msg key-{n}",
+        "text": f"Thanks for order {n}.",
+    }
+    values.update(fields)
+    return OutgoingMessage(
+        id=n, key=f"key-{n}", category=category, attempt=1, email=Email(**values)
+    )
+
+
+def send_one(ses, sender, msg):
+    """Send ``msg``; check it made exactly one SendEmail request and no other request."""
+    before, others = len(ses.sends), ses.other_requests
+    outcome = sender.send(msg)
+    sends = ses.sends[before:]
+    assert len(sends) == 1, f"{len(sends)} HTTP requests for one send: {[s.kind for s in sends]}"
+    assert ses.other_requests == others
+    assert sends[0].outbox_id == msg.id
+    return outcome, sends[0]
+
+
+def test_a_pass_is_accepted_with_the_message_id_moto_returned(ses, sender, moto):
+    outcome, request = send_one(ses, sender, message(1))
+
+    assert request.kind == "pass"
+    held = moto.messages()
+    assert len(held) == 1
+    assert held[0]["subject"] == "msg key-1"
+    assert held[0]["destinations"] == {"ToAddresses": ["customer1@example.com"]}
+    assert outcome == Accepted(provider_message_id=held[0]["id"])
+    assert request.message_id == held[0]["id"]
+
+
+ANSWERED = [
+    pytest.param(
+        "throttle",
+        Transient(code="TooManyRequestsException", message="Too many requests.", throttled=True),
+        id="429-TooManyRequests",
+    ),
+    pytest.param(
+        "throttling_v1",
+        Transient(code="Throttling", message="Maximum sending rate exceeded.", throttled=True),
+        id="400-Throttling-v1",
+    ),
+    pytest.param(
+        "server_error",
+        Transient(code="InternalFailure", message="An internal failure occurred."),
+        id="500-InternalFailure",
+    ),
+    pytest.param(
+        "rejected",
+        Permanent(code="MessageRejected", message="Email address is on the suppression list."),
+        id="400-MessageRejected",
+    ),
+    pytest.param(
+        "sending_paused",
+        Disabled(
+            code="SendingPausedException",
+            message="Sending is paused for this account.",
+            pause=True,
+        ),
+        id="400-SendingPaused",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "expected"), ANSWERED)
+def test_an_error_answer_is_classified_from_its_code_after_one_request(
+    ses, sender, moto, kind, expected
+):
+    ses.plan.script(kind)
+    outcome, request = send_one(ses, sender, message(2))
+
+    assert request.kind == kind
+    assert outcome == expected
+    assert moto.messages() == []  # SES answered with an error: it did not take the message
+
+
+def test_a_hang_past_the_read_timeout_is_ambiguous_and_ses_did_take_it(ses, sender, moto):
+    ses.plan.script("hang")
+    started = time.monotonic()
+    outcome, request = send_one(ses, sender, message(3))
+    took = time.monotonic() - started
+
+    assert isinstance(outcome, Ambiguous)
+    assert outcome.code == "ReadTimeoutError"
+    assert SEND_TIMEOUT <= took < HANG_SECONDS  # the client's read timeout ended it
+    assert request.accepted
+    assert [m["id"] for m in moto.messages()] == [request.message_id]  # delivered all the same
+
+
+def test_a_reset_after_ses_took_the_message_is_ambiguous(ses, sender, moto):
+    ses.plan.script("reset")
+    outcome, request = send_one(ses, sender, message(4))
+
+    assert isinstance(outcome, Ambiguous), outcome
+    assert outcome.code == "ConnectionClosedError"
+    assert request.accepted
+    assert [m["id"] for m in moto.messages()] == [request.message_id]
+
+
+def test_a_reset_before_forwarding_is_ambiguous_too_since_the_client_cannot_tell(ses, sender, moto):
+    ses.plan.script("reset_before")
+    outcome, request = send_one(ses, sender, message(5))
+
+    assert isinstance(outcome, Ambiguous), outcome
+    assert outcome.code == "ConnectionClosedError"
+    assert not request.accepted
+    assert moto.messages() == []
+
+
+@pytest.mark.parametrize("kind", ["reset", "hang", "server_error"])
+def test_the_next_send_on_the_same_client_is_clean_after_a_broken_one(ses, sender, moto, kind):
+    """A broken or error-answered connection must not poison botocore's pool: the next send
+    is again one request, and accepted."""
+    ses.plan.script(kind)
+    send_one(ses, sender, message(6))
+    outcome, request = send_one(ses, sender, message(7))
+
+    assert request.kind == "pass"
+    assert outcome == Accepted(provider_message_id=request.message_id)
+
+
+def test_ses_itself_rejects_an_unverified_sender_as_permanent(ses, sender, moto):
+    """moto's own refusal (not the fault server's), as SES answers mail from an identity
+    that is not verified: a permanent MessageRejected."""
+    outcome, request = send_one(ses, sender, message(13, sender="Other <other@example.org>"))
+
+    assert request.kind == "pass"
+    assert request.status == 400
+    assert isinstance(outcome, Permanent)
+    assert outcome.code == "MessageRejected"
+    assert moto.messages() == []
+
+
+def test_a_verified_domain_covers_every_address_in_it(ses, sender, moto):
+    moto.verify("example.org")
+    outcome, _ = send_one(ses, sender, message(14, sender="News <news@example.org>"))
+
+    assert isinstance(outcome, Accepted)
+    assert [m["source"] for m in moto.messages()] == ["News <news@example.org>"]
+
+
+def test_connection_refused_is_transient_the_request_never_left(endpoint, moto):
+    with socket.socket() as closed:  # bound, not listening: the kernel refuses connections
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        endpoint(f"http://127.0.0.1:{port}")
+        sender = SesSender(build_client(send_timeout=SEND_TIMEOUT, concurrency=1))
+        outcome = sender.send(message(8))
+
+    assert isinstance(outcome, Transient), outcome
+    assert outcome.code == "EndpointConnectionError"
+    assert not outcome.throttled
+
+
+def test_a_rich_email_arrives_at_ses_complete(ses, sender, moto):
+    pdf = bytes(range(256)) * 4
+    msg = message(
+        9,
+        category="receipts",
+        to=["Ann <ann@example.com>", "bob@example.com"],
+        cc=["carol@example.com"],
+        bcc=["audit@example.com"],
+        reply_to=["Help <help@example.com>"],
+        subject="msg key-9 ünïcode",
+        text="Plain body",
+        html="<p>Html body</p>",
+        headers={"X-Order-Ref": "A-9"},
+        tags={"campaign": "spring"},
+        attachments=[
+            Attachment(filename="receipt.pdf", content=pdf, content_type="application/pdf")
+        ],
+    )
+    outcome, request = send_one(ses, sender, msg)
+
+    assert isinstance(outcome, Accepted)
+    sent = request.request
+    assert sent["FromEmailAddress"] == "Shop <shop@example.com>"
+    assert sent["Destination"] == {
+        "ToAddresses": ["Ann <ann@example.com>", "bob@example.com"],
+        "CcAddresses": ["carol@example.com"],
+        "BccAddresses": ["audit@example.com"],
+    }
+    assert request.recipients == 4
+    assert sent["ReplyToAddresses"] == ["Help <help@example.com>"]
+    assert "ConfigurationSetName" not in sent  # none given: SES's default applies
+    assert sorted((t["Name"], t["Value"]) for t in sent["EmailTags"]) == [
+        ("campaign", "spring"),
+        ("outbox_category", "receipts"),
+        ("outbox_message_id", "9"),
+    ]
+    simple = sent["Content"]["Simple"]
+    assert simple["Subject"] == {"Data": "msg key-9 ünïcode", "Charset": "UTF-8"}
+    assert simple["Body"] == {
+        "Text": {"Data": "Plain body", "Charset": "UTF-8"},
+        "Html": {"Data": "<p>Html body</p>", "Charset": "UTF-8"},
+    }
+    assert simple["Headers"] == [{"Name": "X-Order-Ref", "Value": "A-9"}]
+    [attachment] = simple["Attachments"]
+    assert base64.b64decode(attachment.pop("RawContent")) == pdf
+    assert attachment == {
+        "FileName": "receipt.pdf",
+        "ContentType": "application/pdf",
+        "ContentDisposition": "ATTACHMENT",
+        "ContentTransferEncoding": "BASE64",
+    }
+
+    [held] = moto.messages()  # moto keeps only these fields of a Simple send
+    assert held["id"] == outcome.provider_message_id
+    assert held["subject"] == "msg key-9 ünïcode"
+    assert held["body"] == "<p>Html body</p>"
+    assert held["destinations"] == sent["Destination"]
+
+
+def test_the_configuration_set_is_sent_when_given_and_the_emails_own_wins(ses, endpoint):
+    endpoint(ses.url)
+    client = build_client(send_timeout=SEND_TIMEOUT, concurrency=1)
+
+    _, plain = send_one(ses, SesSender(client), message(10))
+    _, relay_set = send_one(ses, SesSender(client, configuration_set="relay-set"), message(11))
+    _, own_set = send_one(
+        ses,
+        SesSender(client, configuration_set="relay-set"),
+        message(12, configuration_set="email-set"),
+    )
+
+    assert "ConfigurationSetName" not in plain.request
+    assert relay_set.request["ConfigurationSetName"] == "relay-set"
+    assert own_set.request["ConfigurationSetName"] == "email-set"
+    assert {s.kind for s in (plain, relay_set, own_set)} == {"pass"}
+
+
+def test_build_client_refuses_without_a_region(endpoint, monkeypatch):
+    endpoint("http://127.0.0.1:9")
+    monkeypatch.delenv("AWS_REGION")
+    monkeypatch.delenv("AWS_DEFAULT_REGION")
+
+    with pytest.raises(ConfigurationError) as info:
+        build_client(send_timeout=SEND_TIMEOUT, concurrency=1)
+    assert info.value.setting == "AWS_REGION"
+
+
+def test_build_client_takes_the_region_from_aws_region_the_variable_its_refusal_names(
+    endpoint, monkeypatch
+):
+    """The refusal tells the operator to set AWS_REGION (the name every AWS SDK but boto3
+    reads, and what ECS and Lambda set); setting it must then be enough."""
+    endpoint("http://127.0.0.1:9")
+    monkeypatch.delenv("AWS_DEFAULT_REGION")
+
+    client = build_client(send_timeout=SEND_TIMEOUT, concurrency=1)
+    assert client.meta.region_name == "us-east-1"
+
+
+def test_build_client_refuses_without_credentials(endpoint, monkeypatch):
+    endpoint("http://127.0.0.1:9")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+
+    with pytest.raises(ConfigurationError) as info:
+        build_client(send_timeout=SEND_TIMEOUT, concurrency=1)
+    assert info.value.setting == "AWS credentials"
+
+
+def test_build_client_takes_its_timeouts_and_pool_from_the_relay_settings(endpoint):
+    endpoint("http://127.0.0.1:9")
+    client = build_client(send_timeout=7.5, concurrency=32)
+
+    config = client.meta.config
+    assert config.read_timeout == 7.5
+    assert config.connect_timeout == 5.0
+    assert config.max_pool_connections == 32
+    assert config.retries["total_max_attempts"] == 1
+    assert client.meta.region_name == "us-east-1"
+    assert client.meta.endpoint_url == "http://127.0.0.1:9"

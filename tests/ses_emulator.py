@@ -1,0 +1,509 @@
+"""An SES v2 stand-in for tests: moto in server mode, and a fault-injecting proxy in front of it.
+
+``MotoSes`` runs moto's server on a free local port, verifies the shop's sender identity and
+reads back what moto holds. Moto keeps only source, destinations, subject and body of a
+``SendEmail`` (no tags, reply-to, headers or attachments), so tests put the outbox key in the
+subject, and the :class:`FaultServer` keeps the full request JSON of everything it forwards.
+
+``FaultServer`` is an HTTP server that forwards every request to moto, except
+``POST /v2/email/outbound-emails`` (``SendEmail``), where it draws one behaviour per request
+from a :class:`FaultPlan` (seeded, changeable at runtime from the test):
+
+* ``pass``: forward to moto and return its answer;
+* ``throttle``: 429 ``TooManyRequestsException``;
+* ``throttling_v1``: 400 ``Throttling`` "Maximum sending rate exceeded." (the SES v1 code);
+* ``server_error``: 500 ``InternalFailure``;
+* ``rejected``: 400 ``MessageRejected``;
+* ``sending_paused``: 400 ``SendingPausedException`` (also answered to *every* send while
+  ``plan.paused`` is on);
+* ``hang``: forward to moto (so SES accepted it: it is delivered), then hold the response
+  ``plan.hang_seconds`` (longer than the client's read timeout) and close without answering;
+* ``reset``: forward to moto, then reset the connection (RST, ``SO_LINGER`` 0);
+* ``reset_before``: reset the connection without forwarding.
+
+Error answers are restJson1: an ``x-amzn-ErrorType`` header, a ``{"message": ...}`` body, the
+status and a Content-Length, which is what botocore parses an error code from. Every
+``SendEmail`` request is recorded as a :class:`SendRequest` (arrival time, behaviour, outbox
+id from the ``outbox_message_id`` tag, recipient count, moto's MessageId if moto accepted it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import random
+import socket
+import struct
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+import boto3
+
+__all__ = [
+    "FAULTS",
+    "IDENTITY",
+    "REGION",
+    "SEND_PATH",
+    "FaultPlan",
+    "FaultServer",
+    "MotoSes",
+    "SendRequest",
+    "aws_env",
+    "max_in_window",
+]
+
+REGION = "us-east-1"
+IDENTITY = "shop@example.com"
+SEND_PATH = "/v2/email/outbound-emails"
+FAULTS = (
+    "throttle",
+    "throttling_v1",
+    "server_error",
+    "rejected",
+    "sending_paused",
+    "hang",
+    "reset",
+    "reset_before",
+)
+FORWARDED = frozenset({"pass", "hang", "reset"})  # kinds whose request reaches moto
+
+# kind -> (status, x-amzn-ErrorType, message)
+ERRORS = {
+    "throttle": (429, "TooManyRequestsException", "Too many requests."),
+    "throttling_v1": (400, "Throttling", "Maximum sending rate exceeded."),
+    "server_error": (500, "InternalFailure", "An internal failure occurred."),
+    "rejected": (400, "MessageRejected", "Email address is on the suppression list."),
+    "sending_paused": (400, "SendingPausedException", "Sending is paused for this account."),
+}
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
+)
+
+
+def aws_env(endpoint_url: str) -> dict[str, str]:
+    """The environment a relay process needs to reach ``endpoint_url`` as SES v2, and only it
+    (no profile or config file of the machine, no instance metadata lookups).
+
+    Both region variables: botocore (1.44) reads only ``AWS_DEFAULT_REGION``, while other AWS
+    SDKs, and ``build_client``'s own error message, name ``AWS_REGION``."""
+    return {
+        "AWS_REGION": REGION,
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL_SESV2": endpoint_url,
+        "AWS_CONFIG_FILE": "/nonexistent/aws-config",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+# -- moto -------------------------------------------------------------------------------
+
+
+class MotoSes:
+    """moto's server on 127.0.0.1 (a free port), for SES v1 and v2."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log per request
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.url = f"http://{host}:{port}"
+        self.verify()
+
+    def client(self, service: str = "sesv2") -> Any:
+        return boto3.client(
+            service,
+            endpoint_url=self.url,
+            region_name=REGION,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+
+    def verify(self, identity: str = IDENTITY) -> None:
+        """Verify an email address or a domain. moto, like SES, refuses mail whose sender is
+        neither a verified address nor in a verified domain; the email identity
+        ``shop@example.com`` covers "Shop <shop@example.com>" (the display name is parsed
+        away), as the domain ``example.com`` would."""
+        ses = self.client("ses")
+        if "@" in identity:
+            ses.verify_email_identity(EmailAddress=identity)
+        else:
+            ses.verify_domain_identity(Domain=identity)
+
+    def reset(self) -> None:
+        """Forget everything (sent mail, identities), then verify the sender again."""
+        request = urllib.request.Request(f"{self.url}/moto-api/reset", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            answer.read()
+        self.verify()
+
+    def messages(self) -> list[dict[str, Any]]:
+        """Every message moto accepted since the last reset: ``id``, ``source``,
+        ``destinations``, ``subject``, ``body`` (html if there was html, else text)."""
+        with urllib.request.urlopen(f"{self.url}/moto-api/data.json", timeout=60) as answer:
+            data = json.load(answer)
+        ses = data.get("ses", {})
+        return [*ses.get("Message", []), *ses.get("RawMessage", [])]
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+# -- the fault plan ------------------------------------------------------------------------
+
+
+class FaultPlan:
+    """Which behaviour each ``SendEmail`` gets: shares per fault kind (the rest pass), drawn from
+    a seeded RNG. Thread-safe; change it while relays run with :meth:`set` or ``paused``."""
+
+    def __init__(self, *, seed: int = 0, hang_seconds: float = 3.0, **shares: float) -> None:
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.hang_seconds = hang_seconds
+        self.paused = False
+        self._shares: dict[str, float] = {}
+        self._script: list[str] = []
+        self.set(**shares)
+
+    def set(self, **shares: float) -> None:
+        """Replace the shares: ``set(throttle=0.1, hang=0.02)``; kinds not named get 0."""
+        unknown = set(shares) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds: {sorted(unknown)}")
+        if any(share < 0 for share in shares.values()) or sum(shares.values()) > 1:
+            raise ValueError(f"shares must be >= 0 and sum to at most 1: {shares}")
+        with self._lock:
+            self._shares = {kind: float(share) for kind, share in shares.items() if share}
+
+    def script(self, *kinds: str) -> None:
+        """The next sends get exactly these behaviours, in order, before the shares apply."""
+        for kind in kinds:
+            if kind != "pass" and kind not in FAULTS:
+                raise ValueError(f"unknown fault kind {kind!r}")
+        with self._lock:
+            self._script.extend(kinds)
+
+    def draw(self) -> str:
+        with self._lock:
+            if self.paused:
+                return "sending_paused"
+            if self._script:
+                return self._script.pop(0)
+            roll = self._rng.random()
+            for kind, share in self._shares.items():
+                if roll < share:
+                    return kind
+                roll -= share
+            return "pass"
+
+
+# -- the proxy -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SendRequest:
+    """One ``SendEmail`` request as it arrived, and what the server did with it."""
+
+    at: float  # time.monotonic() when the whole request had arrived
+    wall: float  # time.time() at the same moment (to compare with timestamps in the database)
+    kind: str  # "pass" or one of FAULTS
+    outbox_id: int | None
+    category: str | None
+    recipients: int
+    subject: str | None
+    request: dict[str, Any]
+    status: int | None = None  # the HTTP status moto answered (forwarded kinds), else None
+    message_id: str | None = None  # moto's MessageId when moto accepted it
+
+    @property
+    def accepted(self) -> bool:
+        """SES (moto) took the message: it is delivered, whether the client heard so or not."""
+        return self.message_id is not None
+
+
+def _parse_send(body: bytes) -> tuple[dict[str, Any], int | None, str | None, int, str | None]:
+    try:
+        request = json.loads(body or b"{}")
+    except ValueError:
+        return {}, None, None, 0, None
+    tags = {t.get("Name"): t.get("Value") for t in request.get("EmailTags", [])}
+    outbox_id = tags.get("outbox_message_id")
+    destination = request.get("Destination", {})
+    recipients = sum(
+        len(destination.get(key, [])) for key in ("ToAddresses", "CcAddresses", "BccAddresses")
+    )
+    simple = request.get("Content", {}).get("Simple", {})
+    subject = simple.get("Subject", {}).get("Data")
+    return (
+        request,
+        int(outbox_id) if outbox_id is not None else None,
+        tags.get("outbox_category"),
+        recipients,
+        subject,
+    )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as botocore's connection pool expects
+    server: _ProxyServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection, True)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.track(self.connection, False)
+
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _handle(self) -> None:
+        body = self._body()
+        fault = self.server.owner
+        try:
+            if self.command == "POST" and self.path.split("?", 1)[0] == SEND_PATH:
+                fault.handle_send(self, body)
+            else:
+                self._relay(*fault.forward(self.command, self.path, self.headers.items(), body))
+        except Exception as exc:
+            fault.record_error(f"{self.command} {self.path}: {type(exc).__name__}: {exc}")
+            raise
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
+
+    def _relay(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.send_response(status)
+        for name, value in headers:
+            if name.lower() not in _HOP_BY_HOP:
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, kind: str) -> None:
+        status, code, message = ERRORS[kind]
+        body = json.dumps({"message": message}).encode()
+        headers = [
+            ("Content-Type", "application/json"),
+            ("x-amzn-ErrorType", code),
+            ("x-amzn-RequestId", f"fault-{kind}-{time.monotonic_ns()}"),
+        ]
+        self._relay(status, headers, body)
+
+    def _reset(self) -> None:
+        """Close with an RST, not a FIN: SO_LINGER on with a zero timeout, then close."""
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        self.connection.close()
+
+    def _hang(self, seconds: float) -> None:
+        self.server.stopping.wait(seconds)
+        self.close_connection = True  # close without ever answering
+
+
+class _ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128  # socketserver's 5 overflows when relays open their pools at once
+    owner: FaultServer
+
+    def __init__(self, owner: FaultServer) -> None:
+        self.owner = owner
+        self.stopping = threading.Event()
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    def track(self, conn: socket.socket, opened: bool) -> None:
+        with self._open_lock:
+            if opened:
+                self._open.add(conn)
+            else:
+                self._open.discard(conn)
+
+    def close_all(self) -> None:
+        with self._open_lock:
+            conns = list(self._open)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-request is business as usual here; stay quiet."""
+
+
+class FaultServer:
+    """A SES v2 endpoint that forwards to ``upstream`` (moto) and injects faults into
+    ``SendEmail`` according to ``plan``. Use as a context manager, or start()/stop()."""
+
+    def __init__(self, upstream: str, plan: FaultPlan | None = None) -> None:
+        parts = urlsplit(upstream)
+        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.plan = plan if plan is not None else FaultPlan()
+        self._lock = threading.Lock()
+        self._sends: list[SendRequest] = []
+        self._errors: list[str] = []
+        self.other_requests = 0
+        self._server = _ProxyServer(self)
+        host, port = self._server.server_address[:2]
+        self.url = f"http://{host}:{port}"
+        self._thread: threading.Thread | None = None
+
+    # lifecycle
+
+    def start(self) -> FaultServer:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stopping.set()  # ends hangs at once
+        self._server.shutdown()
+        self._server.close_all()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def __enter__(self) -> FaultServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # what happened
+
+    @property
+    def sends(self) -> list[SendRequest]:
+        """Every SendEmail request that arrived, in arrival order."""
+        with self._lock:
+            return list(self._sends)
+
+    @property
+    def ledger(self) -> list[SendRequest]:
+        """The SendEmail requests moto accepted: what SES took, answered or not."""
+        return [s for s in self.sends if s.accepted]
+
+    @property
+    def faults(self) -> list[SendRequest]:
+        """The SendEmail requests that got a fault instead of a plain pass."""
+        return [s for s in self.sends if s.kind != "pass"]
+
+    @property
+    def errors(self) -> list[str]:
+        """Exceptions the server itself ran into (moto unreachable, a client gone): a test
+        that sees any cannot trust what the ledger says."""
+        with self._lock:
+            return list(self._errors)
+
+    def record_error(self, error: str) -> None:
+        with self._lock:
+            self._errors.append(error)
+
+    def accepted_per_message(self) -> Counter[int]:
+        return Counter(s.outbox_id for s in self.ledger if s.outbox_id is not None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._sends.clear()
+            self._errors.clear()
+            self.other_requests = 0
+
+    # the proxy
+
+    def forward(
+        self, method: str, path: str, headers: Iterable[tuple[str, str]], body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        with self._lock:
+            self.other_requests += 1
+        return self._upstream_call(method, path, headers, body)
+
+    def _upstream_call(
+        self, method: str, path: str, headers: Iterable[tuple[str, str]], body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        conn = http.client.HTTPConnection(*self._upstream, timeout=60)
+        try:
+            sent_headers = {k: v for k, v in headers if k.lower() not in _HOP_BY_HOP}
+            sent_headers["Content-Length"] = str(len(body))
+            conn.request(method, path, body=body, headers=sent_headers)
+            answer = conn.getresponse()
+            return answer.status, answer.getheaders(), answer.read()
+        finally:
+            conn.close()
+
+    def handle_send(self, handler: _Handler, body: bytes) -> None:
+        arrived, wall = time.monotonic(), time.time()
+        kind = self.plan.draw()
+        request, outbox_id, category, recipients, subject = _parse_send(body)
+        status = message_id = None
+        answer: tuple[int, list[tuple[str, str]], bytes] | None = None
+        if kind in FORWARDED:
+            answer = self._upstream_call(
+                handler.command, handler.path, handler.headers.items(), body
+            )
+            status = answer[0]
+            if status == 200:
+                message_id = json.loads(answer[2]).get("MessageId")
+        with self._lock:
+            self._sends.append(
+                SendRequest(
+                    at=arrived,
+                    wall=wall,
+                    kind=kind,
+                    outbox_id=outbox_id,
+                    category=category,
+                    recipients=recipients,
+                    subject=subject,
+                    request=request,
+                    status=status,
+                    message_id=message_id,
+                )
+            )
+        if kind == "pass":
+            assert answer is not None
+            handler._relay(*answer)
+        elif kind == "hang":
+            handler._hang(self.plan.hang_seconds)
+        elif kind in ("reset", "reset_before"):
+            handler._reset()
+        else:
+            handler._error(kind)
+
+
+# -- analysis ------------------------------------------------------------------------------
+
+
+def max_in_window(events: Iterable[tuple[float, int]], window: float = 1.0) -> tuple[int, float]:
+    """The largest total weight of events in any half-open window ``[t, t + window)``, and the
+    ``t`` where it starts (each window worth checking starts at an event)."""
+    points = sorted(events)
+    best, start, total, lo = 0, 0.0, 0, 0
+    for at, weight in points:
+        total += weight
+        while points[lo][0] <= at - window:
+            total -= points[lo][1]
+            lo += 1
+        if total > best:
+            best, start = total, points[lo][0]
+    return best, start
