@@ -18,7 +18,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from email import policy
 from email.message import EmailMessage, MIMEPart
@@ -356,15 +356,15 @@ class Email:
     """
 
     sender: str
-    to: tuple[str, ...] = ()
-    cc: tuple[str, ...] = ()
-    bcc: tuple[str, ...] = ()
-    reply_to: tuple[str, ...] = ()
+    to: Sequence[str] = ()  # any sequence (or one str); stored as a tuple
+    cc: Sequence[str] = ()  # any sequence (or one str); stored as a tuple
+    bcc: Sequence[str] = ()  # any sequence (or one str); stored as a tuple
+    reply_to: Sequence[str] = ()  # any sequence (or one str); stored as a tuple
     subject: str | None = None
     text: str | None = None
     html: str | None = None
     headers: Mapping[str, str] = field(default_factory=_no_strings)
-    attachments: tuple[Attachment, ...] = ()
+    attachments: Sequence[Attachment] = ()  # stored as a tuple
     configuration_set: str | None = None
     tags: Mapping[str, str] = field(default_factory=_no_strings)
     template: str | None = None
@@ -456,7 +456,7 @@ class Email:
     @property
     def recipients(self) -> tuple[str, ...]:
         """All envelope recipients: ``to``, then ``cc``, then ``bcc``."""
-        return self.to + self.cc + self.bcc
+        return (*self.to, *self.cc, *self.bcc)
 
     def rendered_size(self) -> int:
         """A cheap upper bound, in bytes, of ``len(self.to_mime().as_bytes())``.

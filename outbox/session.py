@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from sqlalchemy.orm import Session, UOWTransaction, sessionmaker
+from sqlalchemy.orm import Session, UOWTransaction, scoped_session, sessionmaker
 
 from outbox import signals
 from outbox.category import DEFAULT_CATEGORIES, Category
@@ -77,7 +77,7 @@ class Outbox:
 
     def enqueue(
         self,
-        session: Session,
+        session: Session | scoped_session[Any],
         email: Email,
         *,
         key: str | None = None,

@@ -19,10 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
 
 from relay.senders import Accepted, Outcome, OutgoingMessage
 
-__all__ = ["FakeSender", "read_deliveries", "sender_from_env"]
+__all__ = ["FakeSender", "read_deliveries", "run_until_idle", "sender_from_env"]
 
 Script = Callable[[OutgoingMessage], Outcome]
 
@@ -92,3 +95,31 @@ def read_deliveries(record_file: str | os.PathLike[str]) -> collections.Counter[
     return collections.Counter(
         int(line.split("\t", 1)[0]) for line in path.read_text().splitlines() if line
     )
+
+
+def run_until_idle(
+    engine: sa.Engine, sender: FakeSender | None = None, **settings: Any
+) -> FakeSender:
+    """Run a relay in this process until nothing is due and nothing is in flight, and return
+    its sender (a new accepting :class:`FakeSender` unless one is given), so a test can assert
+    ``sender.sent_ids`` or ``sender.calls``. ``settings`` are :class:`~relay.config.RelayConfig`
+    fields (``batch_size=``, ``concurrency=``, ...). ``engine`` is a sync engine; for an app on
+    ``AsyncEngine``, pass ``async_engine.sync_engine``'s URL with a sync driver instead."""
+    from relay.config import RelayConfig
+    from relay.worker import Relay
+
+    if not isinstance(engine, sa.Engine):
+        raise TypeError(
+            f"run_until_idle needs a sync sqlalchemy Engine, not {type(engine).__name__}; "
+            "for an async app, create_engine() the same database with a sync driver"
+        )
+    sender = FakeSender() if sender is None else sender
+    settings.setdefault("poll_interval", 0.05)
+    settings.setdefault("relay_id", f"run-until-idle-{os.getpid()}")
+    config = RelayConfig(
+        database_url=engine.url.render_as_string(hide_password=False),
+        exit_when_idle=True,
+        **settings,
+    )
+    Relay(engine=engine, sender=sender, config=config).run()
+    return sender

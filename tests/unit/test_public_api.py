@@ -49,7 +49,7 @@ EXPORTS = {
         "backoff_seconds",
         "decide",
     ],
-    "relay.testing": ["FakeSender", "read_deliveries", "sender_from_env"],
+    "relay.testing": ["FakeSender", "read_deliveries", "run_until_idle", "sender_from_env"],
     "relay.worker": ["Relay"],
     "relay.db": ["READ_COMMITTED", "make_engine"],
     "relay.http": ["Server", "start_http_server"],

@@ -1,0 +1,124 @@
+"""A pytest plugin for testing apps that use the outbox (registered as ``outbox`` through the
+``pytest11`` entry point, so it is active wherever sqlalchemy-outbox is installed).
+
+Tell it which database your app writes to, by overriding one fixture in your ``conftest.py``::
+
+    @pytest.fixture
+    def outbox_engine(engine):          # a sync Engine on the app's database
+        return engine
+
+Then, in a test::
+
+    def test_signup_sends_welcome(client, outbox_messages, outbox_relay):
+        client.post("/signup", json={"email": "ada@example.com"})
+
+        [message] = outbox_messages()   # what this test enqueued (committed), oldest first
+        assert message.key == "welcome:1"
+        assert message.email.to == ("ada@example.com",)
+
+        sender = outbox_relay()         # run the relay in-process until idle, fake sender
+        assert sender.sent_ids == [message.id]
+        assert outbox_messages()[0].status == "sent"
+
+``outbox_messages()`` only sees rows created after the test started (so leftovers of other
+tests never show up) and only committed ones (it reads through its own connection).
+``outbox_relay(sender=None, **settings)`` returns the :class:`relay.testing.FakeSender` it used;
+pass ``sender=FakeSender(outcomes=[...])`` to script failures. Outside pytest, the same two
+things are :func:`enqueued_messages` and :func:`relay.testing.run_until_idle`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outbox.message import Email
+from outbox.schema import Status, messages
+
+__all__ = [
+    "EnqueuedMessage",
+    "enqueued_messages",
+    "outbox_engine",
+    "outbox_messages",
+    "outbox_relay",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueuedMessage:
+    """One outbox row as a test sees it: its id, idempotency key, category, status, and the
+    :class:`~outbox.Email` decoded from its payload."""
+
+    id: int
+    key: str
+    category: str
+    status: Status
+    email: Email
+
+
+def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedMessage]:
+    """Committed outbox rows with an id above ``after_id``, oldest first."""
+    query = (
+        sa.select(
+            messages.c.id,
+            messages.c.idempotency_key,
+            messages.c.category,
+            messages.c.status,
+            messages.c.payload,
+        )
+        .where(messages.c.id > after_id)
+        .order_by(messages.c.id)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    return [
+        EnqueuedMessage(
+            id=row.id,
+            key=row.idempotency_key,
+            category=row.category,
+            status=Status(row.status),
+            email=Email.from_payload(row.payload),
+        )
+        for row in rows
+    ]
+
+
+def _last_id(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.max(messages.c.id))).scalar() or 0)
+
+
+@pytest.fixture
+def outbox_engine() -> sa.Engine:
+    """The sync Engine of your app's database. Override it in your ``conftest.py``."""
+    raise pytest.UsageError(
+        "the outbox fixtures need your database: define a fixture named `outbox_engine` "
+        "returning a sync sqlalchemy Engine on it (in conftest.py)"
+    )
+
+
+@pytest.fixture
+def outbox_messages(outbox_engine: sa.Engine) -> Callable[[], list[EnqueuedMessage]]:
+    """A function returning the outbox rows committed since the test started, oldest first."""
+    if not isinstance(outbox_engine, sa.Engine):
+        raise pytest.UsageError(
+            f"outbox_engine must be a sync sqlalchemy Engine, not {type(outbox_engine).__name__}"
+        )
+    start = _last_id(outbox_engine)
+    return lambda: enqueued_messages(outbox_engine, after_id=start)
+
+
+@pytest.fixture
+def outbox_relay(outbox_engine: sa.Engine) -> Callable[..., Any]:
+    """A function running the relay in-process until idle (by default against a fresh,
+    accepting :class:`relay.testing.FakeSender`) and returning that sender."""
+    from relay.testing import FakeSender, run_until_idle
+
+    def run(sender: FakeSender | None = None, **settings: Any) -> FakeSender:
+        return run_until_idle(outbox_engine, sender, **settings)
+
+    return run
