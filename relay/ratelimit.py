@@ -27,8 +27,8 @@ class SlidingWindowLimiter:
     ) -> None:
         self.base_window = window
         self._clock = clock
-        self._log: collections.deque[tuple[float, int]] = collections.deque()
-        self._used = 0
+        self._log: collections.deque[list[float]] = collections.deque()
+        self._used = 0.0
         self.rate = rate
 
     @property
@@ -56,15 +56,26 @@ class SlidingWindowLimiter:
     def try_take(self, recipients: int) -> bool:
         """Take ``recipients`` if the window allows it now. A message with more recipients
         than the whole rate is let through alone in an otherwise empty window."""
+        return self.take(recipients) is not None
+
+    def take(self, recipients: int) -> list[float] | None:
+        """Like :meth:`try_take`, returning a ticket for :meth:`started` (None if refused)."""
         if self._capacity is None:
-            return True
+            return [0.0, 0.0]
         now = self._clock()
         self._trim(now)
         if self._used + recipients > self._capacity and self._used > 0:
-            return False
-        self._log.append((now, recipients))
+            return None
+        ticket = [now, float(recipients)]
+        self._log.append(ticket)
         self._used += recipients
-        return True
+        return ticket
+
+    def started(self, ticket: list[float]) -> None:
+        """The send behind ``ticket`` really starts now (a worker thread picked it up later
+        than it was taken): count it from now, so the provider never sees more than the rate
+        in any second. Safe from another thread; only ever makes the limit stricter."""
+        ticket[0] = max(ticket[0], self._clock())
 
     def seconds_until_available(self) -> float:
         """How long until some capacity frees up (0 when there is some now)."""

@@ -40,6 +40,7 @@ __all__ = [
     "extend_lease",
     "fail",
     "finalize_sent",
+    "finalize_sent_many",
     "get_message",
     "heartbeat",
     "hold_unknown",
@@ -283,8 +284,10 @@ def _transition(
     claim_token: str,
     values: dict[str, Any],
     expired_before: datetime | None,
+    *also: sa.ColumnElement[bool],
 ) -> bool:
-    stmt = sa.update(m).where(_claimed(message_id, claim_token, expired_before)).values(**values)
+    guard = _claimed(message_id, claim_token, expired_before)
+    stmt = sa.update(m).where(guard, *also).values(**values)
     return conn.execute(stmt).rowcount == 1
 
 
@@ -315,6 +318,39 @@ def finalize_sent(
         "provider_message_id": provider_message_id,
     }
     return _transition(conn, message_id, claim_token, values, None)
+
+
+def finalize_sent_many(
+    conn: sa.Connection, items: Sequence[tuple[int, str, str | None]], *, now: datetime
+) -> set[int]:
+    """finalize_sent for a batch, as one executemany of the same guarded UPDATE (each row
+    keeps its own id + claim token + status guard). ``items`` are (id, claim_token,
+    provider_message_id); returns the ids that moved to sent."""
+    if not items:
+        return set()
+    stmt = (
+        sa.update(m)
+        .where(
+            m.c.id == sa.bindparam("b_id"),
+            m.c.claim_token == sa.bindparam("b_token"),
+            m.c.status == Status.PROCESSING.value,
+        )
+        .values(
+            **_attempted(now, None, None),
+            status=Status.SENT.value,
+            sent_at=now,
+            provider_message_id=sa.bindparam("b_provider_id"),
+        )
+    )
+    params = [{"b_id": i, "b_token": t, "b_provider_id": p} for i, t, p in items]
+    if conn.execute(stmt, params).rowcount == len(items):
+        return {i for i, _t, _p in items}
+    # Some guard failed (a stale claim): find which rows this statement moved.
+    wanted = {i: p for i, _t, p in items}
+    moved = sa.select(m.c.id, m.c.provider_message_id).where(
+        m.c.id.in_(list(wanted)), m.c.status == Status.SENT.value, m.c.sent_at == now
+    )
+    return {row.id for row in conn.execute(moved) if row.provider_message_id == wanted[row.id]}
 
 
 def schedule_retry(
@@ -386,7 +422,12 @@ def release(
     expired_before: datetime | None = None,
 ) -> bool:
     """release -- processing -> its previous status (pending if never attempted, else
-    retrying), with no attempt counted and ``next_attempt_at`` unchanged."""
+    retrying), with no attempt counted and ``next_attempt_at`` unchanged.
+
+    A sweep (``expired_before`` given) releases only a row whose send has not started: its
+    read may be stale, and a late holder may have stamped ``send_started_at`` since. Then
+    this affects no row, and the next sweep sees the started send and treats it as ambiguous.
+    """
     values: dict[str, Any] = {
         **_NO_CLAIM,
         "status": _PREVIOUS_STATUS,
@@ -396,7 +437,10 @@ def release(
     if code is not None:
         values["last_error_code"] = code
         values["last_error_message"] = message
-    return _transition(conn, message_id, claim_token, values, expired_before)
+    if expired_before is None:
+        return _transition(conn, message_id, claim_token, values, None)
+    unstarted = m.c.send_started_at.is_(None)
+    return _transition(conn, message_id, claim_token, values, expired_before, unstarted)
 
 
 def release_unstarted(

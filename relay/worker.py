@@ -254,10 +254,13 @@ class Relay:
     def _start_ready(self) -> bool:
         """Mark and send the claimed messages the rate limit allows now (one statement)."""
         wave: list[tuple[store.Claim, Email]] = []
+        tickets: list[list[float]] = []
         for item in self._ready:
-            if not self.limiter.try_take(max(1, item[0].recipient_count)):
+            ticket = self.limiter.take(max(1, item[0].recipient_count))
+            if ticket is None:
                 break
             wave.append(item)
+            tickets.append(ticket)
         if not wave:
             return False
         now = self.clock()
@@ -266,7 +269,7 @@ class Relay:
             for token, ids in _by_token(c for c, _ in wave).items():
                 marked |= store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
         del self._ready[: len(wave)]  # only once the marks committed: on error, retry them
-        for claim, email in wave:
+        for (claim, email), ticket in zip(wave, tickets, strict=True):
             if claim.id not in marked:
                 log.warning(
                     "lease lost before the send started; not sending",
@@ -283,14 +286,15 @@ class Relay:
                 attempt=claim.attempt_count + 1,
                 email=email,
             )
-            future = self._pool.submit(self._send, message)
+            future = self._pool.submit(self._send, message, ticket)
             self._in_flight[claim.id] = _InFlight(claim=claim, started_at=now, future=future)
             future.add_done_callback(lambda _f: self._wake.set())
         return True
 
-    def _send(self, message: OutgoingMessage) -> tuple[Outcome, float]:
+    def _send(self, message: OutgoingMessage, ticket: list[float]) -> tuple[Outcome, float]:
         """Runs on a worker thread. A sender that raises is treated as ambiguous: the request
         may have left before the error. Returns the outcome and the call's seconds."""
+        self.limiter.started(ticket)  # the rate counts from the real start of the call
         began = time.monotonic()
         try:
             outcome: Outcome = self.sender.send(message)
@@ -321,9 +325,20 @@ class Relay:
             return False
         batch, applied = list(self._unsaved), []
         with self.engine.begin() as conn:
+            accepted = [d for d in batch if d.decision.action is Action.SENT]
+            sent = store.finalize_sent_many(
+                conn,
+                [
+                    (d.claim.id, d.claim.claim_token, d.decision.provider_message_id)
+                    for d in accepted
+                ],
+                now=now,
+            )
             for done in batch:
-                ok = store.apply_decision(conn, done.claim, done.decision, now)
-                applied.append(ok)
+                if done.decision.action is Action.SENT:
+                    applied.append(done.claim.id in sent)
+                else:
+                    applied.append(store.apply_decision(conn, done.claim, done.decision, now))
             store.record_attempts(
                 conn,
                 (

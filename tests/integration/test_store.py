@@ -1064,3 +1064,26 @@ def test_cancel_is_refused_for_other_statuses(engine, status):
 def test_operator_transitions_of_a_missing_message_do_nothing(engine):
     assert not run(engine, store.requeue, message_id=424242, now=T0)
     assert not run(engine, store.cancel, message_id=424242, now=T0)
+
+
+def test_finalize_sent_many_keeps_each_rows_own_guard(engine):
+    ids = enqueue(engine, 3)
+    claims = claim(engine, T0)
+    mark(engine, claims, at(1))
+    stale = claims[1]
+    sweep(engine, at(LEASE + 10))  # every lease ran out: all three swept to unknown_outcome
+    fresh = [c for c in claims if c is not stale]
+    with engine.begin() as conn:
+        for c in fresh:  # requeue and re-claim two of them under a new token
+            assert store.requeue(conn, message_id=c.id, now=at(LEASE + 11))
+    reclaimed = claim(engine, at(LEASE + 12))
+    assert sorted(c.id for c in reclaimed) == sorted(c.id for c in fresh)
+    items = [(c.id, c.claim_token, f"ses-{c.id}") for c in reclaimed]
+    items.append((stale.id, stale.claim_token, "ses-stale"))
+    moved = run(engine, store.finalize_sent_many, items=items, now=at(LEASE + 13))
+    assert moved == {c.id for c in reclaimed}
+    assert row(engine, stale.id).status == Status.UNKNOWN_OUTCOME
+    assert [row(engine, c.id).provider_message_id for c in reclaimed] == [
+        f"ses-{c.id}" for c in reclaimed
+    ]
+    assert ids
