@@ -1,0 +1,476 @@
+"""The five benchmarks. Each returns result rows: a value, the baseline measured in the same
+run, their ratio and whether the DESIGN.md target is met (None where no target applies)."""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from bench.db import EMAIL, ORDERS, analyze, count, fill, reset, url_string
+from bench.senders import AcceptingSender
+from outbox import Outbox
+from outbox.schema import Status, messages, utcnow
+from relay import store
+from relay.config import RelayConfig
+from relay.wakeup import Listener
+from relay.worker import Relay
+
+__all__ = ["CASES", "Result", "Sizes"]
+
+m = messages
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(kw_only=True)
+class Result:
+    benchmark: str
+    database: str
+    value: float
+    baseline: float
+    unit: str
+    ratio: float
+    target: str
+    met: bool | None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    drain: int
+    rate: int
+    enqueue: int
+    latency: int
+    backlog_small: int
+    backlog_due: int
+    backlog_done: int
+
+    @classmethod
+    def make(cls, *, quick: bool, big: bool, scale: float) -> Sizes:
+        if quick:
+            base = dict(
+                drain=2000,
+                rate=600,
+                enqueue=100,
+                latency=30,
+                backlog_small=2000,
+                backlog_due=20_000,
+                backlog_done=50_000,
+            )
+        else:
+            base = dict(
+                drain=20_000,
+                rate=2000,
+                enqueue=500,
+                latency=200,
+                backlog_small=10_000,
+                backlog_due=100_000,
+                backlog_done=500_000,
+            )
+        if big:
+            base.update(backlog_small=10_000, backlog_due=1_000_000, backlog_done=5_000_000)
+        return cls(**{k: max(10, int(v * scale)) for k, v in base.items()})
+
+
+def _pg(engine: sa.Engine) -> bool:
+    return engine.dialect.name == "postgresql"
+
+
+# -- 1. drain --------------------------------------------------------------------------------
+
+
+def raw_drain(engine: sa.Engine, batch: int = 50) -> int:
+    """The floor: claim ``batch`` due rows (FOR UPDATE SKIP LOCKED) to processing, then one
+    guarded finalize of the batch to sent; until nothing is due. Returns rows moved."""
+    done = 0
+    while True:
+        now = utcnow()
+        token = str(uuid.uuid4())
+        with engine.begin() as conn:
+            ids = list(
+                conn.execute(
+                    sa.select(m.c.id)
+                    .where(m.c.status == Status.PENDING.value, m.c.next_attempt_at <= now)
+                    .order_by(m.c.priority, m.c.next_attempt_at, m.c.id)
+                    .limit(batch)
+                    .with_for_update(skip_locked=True)
+                ).scalars()
+            )
+            if not ids:
+                return done
+            conn.execute(
+                sa.update(m)
+                .where(m.c.id.in_(ids))
+                .values(
+                    status=Status.PROCESSING.value,
+                    claim_token=token,
+                    claimed_at=now,
+                    lease_expires_at=now + timedelta(seconds=120),
+                    send_started_at=now,
+                    updated_at=now,
+                )
+            )
+        with engine.begin() as conn:
+            conn.execute(
+                sa.update(m)
+                .where(
+                    m.c.id.in_(ids),
+                    m.c.claim_token == token,
+                    m.c.status == Status.PROCESSING.value,
+                )
+                .values(
+                    status=Status.SENT.value,
+                    claim_token=None,
+                    lease_expires_at=None,
+                    attempt_count=m.c.attempt_count + 1,
+                    sent_at=now,
+                    updated_at=now,
+                )
+            )
+        done += len(ids)
+
+
+def _relay_config(engine: sa.Engine, **options: Any) -> RelayConfig:
+    return RelayConfig(database_url=url_string(engine), **options)
+
+
+def _check_all_sent(engine: sa.Engine, n: int) -> None:
+    sent = count(engine, Status.SENT.value)
+    if sent != n:
+        raise RuntimeError(f"expected {n} sent rows, found {sent}")
+
+
+def _db_span_rate(engine: sa.Engine, n: int) -> float:
+    """Messages/s between the first claim and the last finalize, from the rows themselves."""
+    with engine.connect() as conn:
+        first, last = conn.execute(
+            sa.select(sa.func.min(m.c.claimed_at), sa.func.max(m.c.sent_at))
+        ).one()
+    if isinstance(first, str):  # SQLite without the type's result processing on aggregates
+        from datetime import datetime
+
+        first, last = datetime.fromisoformat(first), datetime.fromisoformat(last)
+    return float(n / max(1e-6, (last - first).total_seconds()))
+
+
+def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    n = sizes.drain
+    reset(engine)
+    fill(engine, n, prefix="drain")
+    began = time.perf_counter()
+    moved = raw_drain(engine)
+    raw_rate = moved / (time.perf_counter() - began)
+    assert moved == n, (moved, n)
+
+    reset(engine)
+    fill(engine, n, prefix="drain")
+    config = _relay_config(
+        engine, concurrency=8, batch_size=50, exit_when_idle=True, poll_interval=0.1
+    )
+    relay = Relay(engine=engine, sender=AcceptingSender(), config=config)
+    began = time.perf_counter()
+    relay.run()
+    rate = n / (time.perf_counter() - began)
+    _check_all_sent(engine, n)
+    pg = _pg(engine)
+    results = [
+        Result(
+            benchmark="drain",
+            database=db,
+            value=rate,
+            baseline=raw_rate,
+            unit="msg/s",
+            ratio=rate / raw_rate,
+            target=">= 6500/s, >= 0.50 (PG)",
+            met=(rate >= 6500 and rate / raw_rate >= 0.5) if pg else None,
+            details={"messages": n, "concurrency": 8, "batch_size": 50},
+        )
+    ]
+
+    reset(engine)
+    fill(engine, n, prefix="drain")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cli = Path(sys.executable).with_name("outbox-relay")
+    command = [
+        str(cli), "run", "--database-url", url_string(engine),
+        "--sender", "bench.senders:accepting_sender", "--concurrency", "8",
+        "--batch-size", "50", "--poll-interval", "0.1", "--exit-when-idle",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    began = time.perf_counter()
+    procs = [
+        subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    errors = []
+    for proc in procs:
+        try:
+            _out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _out, err = proc.communicate()
+        if proc.returncode:
+            errors.append(err.decode(errors="replace")[-2000:])
+    wall = time.perf_counter() - began
+    if errors:
+        raise RuntimeError("relay process failed: " + "\n".join(errors))
+    _check_all_sent(engine, n)
+    two = _db_span_rate(engine, n)
+    results.append(
+        Result(
+            benchmark="drain x2 procs",
+            database=db,
+            value=two,
+            baseline=raw_rate,
+            unit="msg/s",
+            ratio=two / raw_rate,
+            target="(none)",
+            met=None,
+            details={"messages": n, "wall_seconds_incl_startup": round(wall, 3)},
+        )
+    )
+    return results
+
+
+# -- 2. rate ---------------------------------------------------------------------------------
+
+
+def rate(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    n, limit = sizes.rate, 500.0
+    reset(engine)
+    fill(engine, n, prefix="rate")
+    sender = AcceptingSender(latency=0.05, record=True)
+    config = _relay_config(
+        engine,
+        concurrency=64,
+        batch_size=50,
+        exit_when_idle=True,
+        poll_interval=0.1,
+        max_send_rate=limit,
+    )
+    Relay(engine=engine, sender=sender, config=config).run()
+    _check_all_sent(engine, n)
+    starts = sorted(sender.starts)
+    t0 = starts[0]
+    span = starts[-1] - t0
+    windows = int(span)  # full one-second windows from the first send
+    if windows >= 1:
+        counts = [0] * windows
+        for t in starts:
+            k = int(t - t0)
+            if k < windows:
+                counts[k] += 1
+        achieved = statistics.fmean(counts)
+    else:
+        achieved = n / max(span, 1e-6)
+    peak, j = 0, 0
+    for i, t in enumerate(starts):  # sliding: most sends in any one-second window
+        while starts[j] <= t - 1.0:
+            j += 1
+        peak = max(peak, i - j + 1)
+    ratio = achieved / limit
+    return [
+        Result(
+            benchmark="rate 500/s @50ms",
+            database=db,
+            value=achieved,
+            baseline=limit,
+            unit="msg/s",
+            ratio=ratio,
+            target=">= 0.95, peak 1s window <= 500",
+            met=ratio >= 0.95 and peak <= limit,
+            details={"messages": n, "peak_window": peak, "full_windows": windows},
+        )
+    ]
+
+
+# -- 3. enqueue overhead ---------------------------------------------------------------------
+
+
+def enqueue(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    reset(engine)
+    app = sa.create_engine(engine.url)  # the host app's own plain engine
+    outbox = Outbox()
+    times: dict[int, list[float]] = {0: [], 1: [], 10: []}
+
+    def txn(emails: int, i: int) -> float:
+        began = time.perf_counter()
+        with Session(app) as session, session.begin():
+            session.execute(ORDERS.insert().values(customer=f"c{i}", total=42, created_at=utcnow()))
+            for _ in range(emails):
+                outbox.enqueue(session, EMAIL)
+        return time.perf_counter() - began
+
+    try:
+        for i in range(10):  # warm up the pool and statement caches
+            for variant in times:
+                txn(variant, -i)
+        for i in range(sizes.enqueue):
+            order = list(times)
+            random.shuffle(order)
+            for variant in order:
+                times[variant].append(txn(variant, i))
+    finally:
+        app.dispose()
+    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    mean = {k: statistics.fmean(v) * 1000 for k, v in times.items()}
+    return [
+        Result(
+            benchmark="enqueue 1 email",
+            database=db,
+            value=med[1],
+            baseline=med[0],
+            unit="ms/txn",
+            ratio=med[1] / med[0],
+            target="<= 1.25",
+            met=med[1] / med[0] <= 1.25,
+            details={"transactions": sizes.enqueue, "mean_ms": mean},
+        ),
+        Result(
+            benchmark="enqueue 10 emails",
+            database=db,
+            value=med[10],
+            baseline=med[0],
+            unit="ms/txn",
+            ratio=med[10] / med[0],
+            target="(none)",
+            met=None,
+            details={"transactions": sizes.enqueue, "mean_ms": mean},
+        ),
+    ]
+
+
+# -- 4. commit-to-send latency ---------------------------------------------------------------
+
+
+def latency(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    reset(engine)
+    pg = _pg(engine)
+    # On PostgreSQL a long poll interval, so the NOTIFY wake-up is what is measured.
+    poll = 1.0 if pg else 0.1
+    sender = AcceptingSender(record=True)
+    relay = Relay(
+        engine=engine,
+        sender=sender,
+        config=_relay_config(engine, concurrency=8, batch_size=50, poll_interval=poll),
+    )
+    listener = Listener.for_engine(engine, relay.wake)
+    thread = threading.Thread(target=relay.run, name="bench-relay", daemon=True)
+    thread.start()
+    if listener is not None:
+        listener.start()
+    app = sa.create_engine(engine.url)
+    outbox = Outbox()
+    samples: list[float] = []
+    try:
+        time.sleep(0.5)  # relay registered, listener connected
+        for i in range(sizes.latency):
+            key = f"latency-{i}"
+            with Session(app) as session, session.begin():
+                outbox.enqueue(session, EMAIL, key=key)
+            committed = time.monotonic()
+            started = sender.wait_for(key, timeout=10.0)
+            if started is None:
+                raise RuntimeError(f"{key} was not sent within 10 s")
+            samples.append((started - committed) * 1000)
+            time.sleep(random.uniform(0.0, 0.02))
+    finally:
+        if listener is not None:
+            listener.stop()
+        relay.request_stop()
+        thread.join(30)
+        app.dispose()
+    cuts = statistics.quantiles(samples, n=100, method="inclusive")
+    p50, p99 = statistics.median(samples), cuts[98]
+    wake = "NOTIFY" if listener is not None else f"poll {poll:g}s"
+    return [
+        Result(
+            benchmark=f"latency p50 ({wake})",
+            database=db,
+            value=p50,
+            baseline=20.0,
+            unit="ms",
+            ratio=p50 / 20.0,
+            target="<= 20 ms (PG)",
+            met=p50 <= 20.0 if pg else None,
+            details={"samples": len(samples), "max_ms": max(samples)},
+        ),
+        Result(
+            benchmark=f"latency p99 ({wake})",
+            database=db,
+            value=p99,
+            baseline=100.0,
+            unit="ms",
+            ratio=p99 / 100.0,
+            target="<= 100 ms (PG)",
+            met=p99 <= 100.0 if pg else None,
+            details={"samples": len(samples)},
+        ),
+    ]
+
+
+# -- 5. claim latency vs backlog -------------------------------------------------------------
+
+
+def _claim_ms(engine: sa.Engine, repeats: int = 40) -> float:
+    times = []
+    for i in range(repeats + 5):
+        with engine.connect() as conn:
+            began = time.perf_counter()
+            tx = conn.begin()
+            store.claim_batch(conn, relay_id="bench", limit=50, now=utcnow(), lease_seconds=120)
+            tx.rollback()
+            if i >= 5:  # warm-up passes are not counted
+                times.append(time.perf_counter() - began)
+    return statistics.median(times) * 1000
+
+
+def backlog(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    reset(engine)
+    fill(engine, sizes.backlog_small, prefix="due")
+    analyze(engine)
+    small = _claim_ms(engine)
+    fill(engine, sizes.backlog_done, prefix="done", status=Status.SENT.value)
+    more = sizes.backlog_due - sizes.backlog_small
+    if more > 0:
+        fill(engine, more, prefix="more")
+    analyze(engine)
+    big = _claim_ms(engine)
+    return [
+        Result(
+            benchmark="backlog claim",
+            database=db,
+            value=big,
+            baseline=small,
+            unit="ms/claim",
+            ratio=big / small,
+            target="<= 2.0",
+            met=big / small <= 2.0,
+            details={
+                "small_due": sizes.backlog_small,
+                "big_due": sizes.backlog_due,
+                "big_finished": sizes.backlog_done,
+            },
+        )
+    ]
+
+
+CASES = {
+    "drain": drain,
+    "rate": rate,
+    "enqueue": enqueue,
+    "latency": latency,
+    "backlog": backlog,
+}

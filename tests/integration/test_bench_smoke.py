@@ -1,0 +1,49 @@
+"""Smoke test of the benchmark runner (``python -m bench``): it completes at a tiny scale,
+prints its table and writes JSON with a ratio per benchmark. No speed is asserted here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("backend_name", ["sqlite", "postgresql"])
+def test_bench_runs_and_reports_a_ratio_per_benchmark(backend_name, request, tmp_path):
+    if backend_name == "sqlite":
+        url = f"sqlite:///{tmp_path}/bench.db"
+    else:
+        # a database of its own next to the test database: the benchmark drops its tables
+        server = sa.make_url(request.getfixturevalue("_backends")["postgresql"].url)
+        url = server.set(database=f"{server.database}_bench").render_as_string(hide_password=False)
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "bench", "--quick", "--scale", "0.02",
+            "--only", "drain,enqueue,rate", "--database-url", url, "--json", str(out),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header = proc.stdout.splitlines()[0]
+    for column in ("benchmark", "database", "value", "baseline", "ratio", "target", "met?"):
+        assert column in header
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    assert report["machine"]["nproc"] >= 1
+    benchmarks = {r["benchmark"] for r in report["results"]}
+    assert {"drain", "drain x2 procs", "rate 500/s @50ms", "enqueue 1 email"} <= benchmarks
+    for result in report["results"]:
+        assert result["database"] == backend_name
+        assert result["ratio"] > 0
+        assert result["baseline"] > 0
+        assert result["benchmark"] in proc.stdout
