@@ -286,16 +286,24 @@ class Relay:
                 attempt=claim.attempt_count + 1,
                 email=email,
             )
-            future = self._pool.submit(self._send, message, ticket)
+            deadline = time.monotonic() + (claim.lease_expires_at - now).total_seconds()
+            future = self._pool.submit(self._send, message, ticket, deadline)
             self._in_flight[claim.id] = _InFlight(claim=claim, started_at=now, future=future)
             future.add_done_callback(lambda _f: self._wake.set())
         return True
 
-    def _send(self, message: OutgoingMessage, ticket: list[float]) -> tuple[Outcome, float]:
+    def _send(
+        self, message: OutgoingMessage, ticket: list[float], deadline: float
+    ) -> tuple[Outcome, float]:
         """Runs on a worker thread. A sender that raises is treated as ambiguous: the request
-        may have left before the error. Returns the outcome and the call's seconds."""
+        may have left before the error. Returns the outcome and the call's seconds.
+
+        A thread that starts after the claim's lease ran out (the process was frozen) does not
+        send: another relay may have swept the row already."""
         self.limiter.started(ticket)  # the rate counts from the real start of the call
         began = time.monotonic()
+        if began >= deadline:
+            return Disabled(code="lease_lost", message="lease expired before the send"), 0.0
         try:
             outcome: Outcome = self.sender.send(message)
         except Exception as exc:
