@@ -225,6 +225,26 @@ def claim_batch(
     return claims, gone
 
 
+def _stamp_wave(
+    conn: sa.Connection,
+    ids: Sequence[int],
+    claim_token: str,
+    column: sa.Column[datetime],
+    value: datetime,
+) -> set[int]:
+    """Set ``column = value`` on the rows of ``ids`` this claim still holds, in one statement;
+    returns the ids it set. MySQL reports matched rows, so only a short count needs a read."""
+    if not ids:
+        return set()
+    guard = sa.and_(
+        m.c.id.in_(ids), m.c.claim_token == claim_token, m.c.status == Status.PROCESSING.value
+    )
+    result = conn.execute(sa.update(m).where(guard).values({column: value}))
+    if result.rowcount == len(ids):
+        return set(ids)
+    return set(conn.execute(sa.select(m.c.id).where(guard, column == value)).scalars())
+
+
 def mark_send_started(
     conn: sa.Connection, *, ids: Sequence[int], claim_token: str, now: datetime
 ) -> set[int]:
@@ -234,32 +254,14 @@ def mark_send_started(
     NULL is provably unsent, and the sweep returns it without consuming an attempt. Returns
     the ids stamped (all of them, unless a lease was already lost).
     """
-    if not ids:
-        return set()
-    guard = sa.and_(
-        m.c.id.in_(ids), m.c.claim_token == claim_token, m.c.status == Status.PROCESSING.value
-    )
-    result = conn.execute(sa.update(m).where(guard).values(send_started_at=now))
-    if result.rowcount == len(ids):
-        return set(ids)
-    marked = sa.select(m.c.id).where(guard, m.c.send_started_at == now)
-    return set(conn.execute(marked).scalars())
+    return _stamp_wave(conn, ids, claim_token, m.c.send_started_at, now)
 
 
 def extend_lease(
     conn: sa.Connection, *, ids: Sequence[int], claim_token: str, until: datetime
 ) -> set[int]:
     """extend_lease -- Push out the lease of rows still being sent; returns the ids kept."""
-    if not ids:
-        return set()
-    guard = sa.and_(
-        m.c.id.in_(ids), m.c.claim_token == claim_token, m.c.status == Status.PROCESSING.value
-    )
-    result = conn.execute(sa.update(m).where(guard).values(lease_expires_at=until))
-    if result.rowcount == len(ids):
-        return set(ids)
-    kept = sa.select(m.c.id).where(guard, m.c.lease_expires_at == until)
-    return set(conn.execute(kept).scalars())
+    return _stamp_wave(conn, ids, claim_token, m.c.lease_expires_at, until)
 
 
 # -- finalize: one guarded UPDATE per row, each returning whether it applied -----------------
