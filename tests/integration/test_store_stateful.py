@@ -2,15 +2,21 @@
 
 The machine drives the store the way ``relay/worker.py`` does (claim -> mark -> provider call
 -> decide -> guarded transition + attempt row; sweep -> decide(LeaseExpired) -> transition with
-``expired_before``), but with every step apart, so any interleaving hypothesis finds is one
-the store must survive: a relay that hangs past its lease and finalizes with a stale claim, a
+``expired_before``), but with the steps apart, so any interleaving hypothesis finds is one the
+store must survive: a relay that stalls past its lease and finalizes with a stale claim, a
 sweep between a claim and its mark, an operator requeue while an old send is still in flight.
+The clock is the machine's own; it jumps, sometimes past every lease.
 
 Each relay keeps its own view (its claims, which it marked, which it sent); the machine keeps
 the delivery ledger (what the provider may have received) and, from the database read after
-every step, checks that no row is held twice, that nothing is sent again after
-``unknown_outcome`` unless an operator requeued it, and that a message reaches the provider
-twice only under the ``resend`` policy or after a requeue.
+every step, checks that no row is held under two live claims, that no row is claimed or marked
+again after ``unknown_outcome`` unless an operator requeued it, that a message reaches the
+provider twice only under the ``resend`` policy or after a requeue, that every transition is
+one the state machine allows (DESIGN.md section 4), and that a final sweep leaves nothing in
+``processing``.
+
+``RacingSweepMachine`` also pulls the sweep's read and write apart, as two replicas at READ
+COMMITTED do: the holder of a row may act in between.
 """
 
 from __future__ import annotations
@@ -237,7 +243,7 @@ class StoreMachine(RuleBasedStateMachine):
                 ],
             )
         self.expected_attempts[(hold.claim.id, hold.claim.claim_token, name)] += 1
-        assert ok == expect, f"finalize of {hold.key} applied={ok}, row was {before.status}"
+        assert ok == expect, f"{view.relay_id}'s finalize of {hold.key} applied={ok}: {before}"
         del view.holds[hold.key]
         stale = "" if ok else f" (stale claim; the row is {before.status})"
         event(f"finalize {decision.action}{stale}")
@@ -398,7 +404,7 @@ class StoreMachine(RuleBasedStateMachine):
         expect = self.rows[message_id].status in (Status.UNKNOWN_OUTCOME, Status.FAILED)
         with self.engine.begin() as conn:
             ok = store.requeue(conn, message_id=message_id, now=self.now)
-        assert ok == expect
+        assert ok == expect, f"requeue of a {self.rows[message_id].status} row applied={ok}"
         event(f"requeue applied={ok}")
         if ok:
             self.requeued.add(message_id)
@@ -416,7 +422,7 @@ class StoreMachine(RuleBasedStateMachine):
         expect = self.rows[message_id].status in (P, R)
         with self.engine.begin() as conn:
             ok = store.cancel(conn, message_id=message_id, now=self.now)
-        assert ok == expect
+        assert ok == expect, f"cancel of a {self.rows[message_id].status} row applied={ok}"
         event(f"cancel applied={ok}")
 
     @precondition(lambda self: self.overdue())
@@ -488,7 +494,9 @@ class StoreMachine(RuleBasedStateMachine):
         for h in wave:
             before = rows[h.claim.id]
             # the store lets a relay mark only a row it holds: never an unknown_outcome one
-            assert (h.key in marked) == self.held(before, h.claim.claim_token)
+            assert (h.key in marked) == self.held(before, h.claim.claim_token), (
+                f"{view.relay_id} marked={h.key in marked} {h.key}; the row: {before}"
+            )
             event(f"mark applied={h.key in marked}")
             if h.key not in marked:  # lease lost before the send started: never sent
                 del view.holds[h.key]
@@ -551,7 +559,9 @@ class StoreMachine(RuleBasedStateMachine):
                 got = store.extend_lease(conn, ids=ids, claim_token=token, until=until)
                 kept |= {(i, token) for i in got}
         for h in flying:
-            assert (h.key in kept) == self.held(self.rows[h.claim.id], h.claim.claim_token)
+            assert (h.key in kept) == self.held(self.rows[h.claim.id], h.claim.claim_token), (
+                f"{view.relay_id} renewed={h.key in kept} {h.key}; the row: {self.rows[h.claim.id]}"
+            )
             event(f"extend applied={h.key in kept}")
             if h.key in kept:
                 h.claim = dataclasses.replace(h.claim, lease_expires_at=until)
@@ -575,7 +585,8 @@ class StoreMachine(RuleBasedStateMachine):
         with self.engine.begin() as conn:
             for token, ids in tokens.items():
                 released = store.release_unstarted(conn, ids=ids, claim_token=token, now=self.now)
-                assert released == sum(self.held(self.rows[i], token) for i in ids)
+                held = sum(self.held(self.rows[i], token) for i in ids)
+                assert released == held, f"drain released {released} of {ids}, {held} held"
         for h in ready:
             before = self.rows[h.claim.id]
             applied = self.held(before, h.claim.claim_token)
@@ -714,10 +725,7 @@ class RacingSweepMachine(StoreMachine):
     # Not rules here, to leave more steps to the race: every sweep races (teardown still
     # sweeps), rows are neither cancelled nor expired nor given back by a drain, and no tick
     # marks its claims at once.
-    operator_cancels = expire_overdue = drain = tick = None
-
-    def sweep(self, relay, ms=0):
-        StoreMachine.sweep(self, relay, ms)
+    sweep = tick = operator_cancels = expire_overdue = drain = None
 
     @precondition(lambda self: any(r.status == X for r in self.rows.values()))
     @rule(relay=relay_ids, ms=later, data=st.data())
@@ -809,11 +817,9 @@ def test_a_sweep_does_not_release_a_row_whose_send_started_after_its_read(server
     row back as "provably unsent", or another relay sends it again under the hold policy."""
     engine = relay_engine(server_backend.url)
     try:
+        email = Email(sender="shop@example.com", to=["c@example.com"], subject="#1", text=".")
         with Session(engine) as session, session.begin():
-            mid = OUTBOX.enqueue(
-                session, Email(sender="a@example.com", to=["b@example.com"], subject="s", text="."),
-                category="hold4", not_before=T0,
-            ).id  # fmt: skip
+            mid = OUTBOX.enqueue(session, email, category="hold4", not_before=T0).id
         with engine.begin() as conn:
             (claim,), _ = store.claim_batch(
                 conn, relay_id="r1", limit=1, now=T0, lease_seconds=LEASE_SECONDS
