@@ -203,7 +203,17 @@ class Fleet:
     def running(self) -> list[RelayProc]:
         return [p for p in self.started if p.popen.poll() is None]
 
-    def stop_all(self, summary: Summary, timeout: float = 30) -> None:
+    def stop_all(self, summary: Summary, engine: sa.Engine, timeout: float = 30) -> None:
+        """SIGTERM every running relay once each has registered: a relay signalled while
+        Python is still importing has no handler yet and dies of the signal (it holds nothing
+        then, but a drain is what this checks)."""
+
+        def all_registered() -> bool:
+            with engine.connect() as conn:
+                ids = set(conn.execute(sa.select(relays.c.relay_id)).scalars())
+            return all(p.relay_id in ids for p in self.running())
+
+        wait_for(all_registered, timeout=timeout, what="every running relay registered")
         running = self.running()
         for proc in running:
             proc.popen.send_signal(signal.SIGCONT)
@@ -605,7 +615,7 @@ def run(
                     what=f"every row settled ({dict(statuses(engine))})",
                 )
                 summary.runtime = time.monotonic() - started
-                fleet.stop_all(summary)
+                fleet.stop_all(summary, engine)
             finally:
                 fleet.kill_all()
             reconcile(engine, ses, categories, summary, poisoned)
