@@ -137,6 +137,26 @@ class AttemptRecord:
     provider_message_id: str | None = None
 
 
+def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
+    """A :class:`Claim` from a row read with ``_CLAIM_COLUMNS``."""
+    return Claim(
+        id=row.id,
+        key=row.idempotency_key,
+        category=row.category,
+        priority=row.priority,
+        payload=payload,
+        recipient_count=row.recipient_count,
+        claim_token=claim_token,
+        attempt_count=row.attempt_count,
+        max_attempts=row.max_attempts,
+        backoff_base=row.backoff_base,
+        backoff_cap=row.backoff_cap,
+        ambiguity_policy=AmbiguityPolicy(row.ambiguity_policy),
+        next_attempt_at=row.next_attempt_at,
+        lease_expires_at=row.lease_expires_at,
+    )
+
+
 # -- claim -------------------------------------------------------------------------------
 
 
@@ -203,24 +223,7 @@ def claim_batch(
         if row.status == Status.EXPIRED.value:
             gone.append(Expired(id=row.id, key=row.idempotency_key, category=row.category))
             continue
-        claims.append(
-            Claim(
-                id=row.id,
-                key=row.idempotency_key,
-                category=row.category,
-                priority=row.priority,
-                payload=row.payload,
-                recipient_count=row.recipient_count,
-                claim_token=token,
-                attempt_count=row.attempt_count,
-                max_attempts=row.max_attempts,
-                backoff_base=row.backoff_base,
-                backoff_cap=row.backoff_cap,
-                ambiguity_policy=AmbiguityPolicy(row.ambiguity_policy),
-                next_attempt_at=row.next_attempt_at,
-                lease_expires_at=row.lease_expires_at,
-            )
-        )
+        claims.append(_claim(row, token, row.payload))
     claims.sort(key=lambda c: (c.priority, c.next_attempt_at, c.id))
     return claims, gone
 
@@ -569,22 +572,7 @@ def sweep_candidates(conn: sa.Connection, *, now: datetime, limit: int = 500) ->
     ).all()
     return [
         StaleLease(
-            claim=Claim(
-                id=row.id,
-                key=row.idempotency_key,
-                category=row.category,
-                priority=row.priority,
-                payload=None,
-                recipient_count=row.recipient_count,
-                claim_token=row.claim_token,
-                attempt_count=row.attempt_count,
-                max_attempts=row.max_attempts,
-                backoff_base=row.backoff_base,
-                backoff_cap=row.backoff_cap,
-                ambiguity_policy=AmbiguityPolicy(row.ambiguity_policy),
-                next_attempt_at=row.next_attempt_at,
-                lease_expires_at=row.lease_expires_at,
-            ),
+            claim=_claim(row, row.claim_token, None),
             claimed_by=row.claimed_by,
             send_started_at=row.send_started_at,
         )
