@@ -1,12 +1,14 @@
-"""The relay loop: sweep, claim what can be sent now, mark, send on threads, finalize.
+"""The relay loop: save finished sends, claim and mark what can be sent now, send on threads.
 
 The loop is thin on purpose. Decisions come from :mod:`relay.policy`, SQL from
 :mod:`relay.store`; this module only orders them, and never holds a database transaction
-while a send is in flight.
+while a send is in flight. A busy pass costs one transaction (finished sends saved, the next
+batch claimed and its wave marked) on a connection the loop keeps; sweeps run once a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -14,7 +16,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -48,6 +50,7 @@ log = logging.getLogger("relay")
 
 LIVE_REFRESH = 1.0  # seconds between counts of live relays when a send rate is set
 EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
+SWEEP_INTERVAL = 1.0  # seconds (on the relay clock) between sweeps for expired leases
 AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 
 _OUTCOME_NAMES: dict[type, str] = {
@@ -121,6 +124,8 @@ class Relay:
         self._paused_until: float | None = None  # monotonic; None when not paused
         self._probing = False
         self._last_expire = 0.0
+        self._last_sweep: datetime | None = None  # relay clock
+        self._conn: sa.Connection | None = None  # the loop's own, kept between passes
         self._db_failures = 0
         self.state = "running"
         self.pause_code: str | None = None  # the provider's code while paused
@@ -181,6 +186,7 @@ class Relay:
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._with_db(self._deregister)
+            self._drop_connection()
             self.loop_at = None
 
     # -- one tick --------------------------------------------------------------------------
@@ -190,47 +196,88 @@ class Relay:
         now = self.clock()
         self.rate.tick()
         self._heartbeat(now)
-        busy = self._finalize()
+        self._collect(now)
         self._extend_leases(now)
-        busy = self._sweep(now) or busy
+        busy = self._sweep(now)
         self._expire(now)
-        if not self._stopping.is_set():
-            busy = self._claim(now) or busy
-        return self._start_ready() or busy
+        return self._exchange(now) or busy
 
-    def _claim(self, now: datetime) -> bool:
-        if time.monotonic() < self._sends_from:
+    def _exchange(self, now: datetime) -> bool:
+        """Save finished sends, claim what can be sent now, mark the wave the rate limit
+        admits: one transaction, committed before any of the wave is handed to a thread.
+
+        If it fails, nothing is forgotten: finished sends stay unsaved, and the rows it
+        claimed join the unstarted ones, to be marked under their claim token next time (if
+        the claim did not commit, that mark finds no row and nothing is sent)."""
+        limit, probe = self._claim_limit()
+        if not (self._unsaved or limit > 0 or self._admissible()):
             return False
+        batch = list(self._unsaved)
+        claims: list[store.Claim] = []
+        expired: list[store.Expired] = []
+        wave: list[tuple[store.Claim, Email, list[float]]] = []
+        marked: set[tuple[int, str]] = set()  # (id, claim token): an id may be in _ready twice
+        began = time.monotonic()
+        try:
+            with self._transaction() as conn:
+                applied = self._save(conn, batch, now)
+                if limit > 0:
+                    began = time.monotonic()
+                    claims, expired = store.claim_batch(
+                        conn,
+                        relay_id=self.relay_id,
+                        limit=limit,
+                        now=now,
+                        lease_seconds=self.config.lease_seconds,
+                    )
+                    self._accept(claims, now)
+                wave = self._admit()
+                for token, ids in _by_token(c for c, _, _ in wave).items():
+                    stamped = store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
+                    marked.update((id_, token) for id_ in stamped)
+        finally:
+            if limit > 0:
+                signals.claim_completed.send(
+                    self,
+                    duration=time.monotonic() - began,
+                    count=len(claims),
+                    expired=len(expired),
+                )
+        del self._unsaved[: len(batch)]
+        del self._ready[: len(wave)]  # only once the marks committed
+        self._announce_saved(batch, applied)
+        self._announce_expired(expired)
+        if claims:
+            log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
+        if probe:
+            if self._ready or wave:
+                self._probing = True  # one message tells whether sending works again
+            else:  # nothing to probe with: look again after another pause period
+                self._paused_until = time.monotonic() + self.config.pause_seconds
+        self._start(wave, marked, now)
+        return bool(batch or claims or expired or wave)
+
+    def _claim_limit(self) -> tuple[int, bool]:
+        """How many rows to claim now, and whether the claim is a paused relay's probe."""
+        if self._stopping.is_set() or time.monotonic() < self._sends_from:
+            return 0, False
         free = self.config.concurrency - len(self._in_flight) - len(self._ready)
         limit = min(free, self.config.batch_size, int(min(self.limiter.available(), 1e9)))
-        paused = self._paused_until is not None
-        if self._paused_until is not None:
-            if self._probing or time.monotonic() < self._paused_until or self._in_flight:
-                return False
-            limit = min(limit, 1)
-        if limit <= 0:
-            return False
-        began = time.monotonic()
-        with self.engine.begin() as conn:
-            claims, expired = store.claim_batch(
-                conn,
-                relay_id=self.relay_id,
-                limit=limit,
-                now=now,
-                lease_seconds=self.config.lease_seconds,
-            )
-        signals.claim_completed.send(
-            self, duration=time.monotonic() - began, count=len(claims), expired=len(expired)
-        )
-        self._announce_expired(expired)
-        poison: list[_Done] = []
+        if self._paused_until is None:
+            return max(0, limit), False
+        if self._probing or time.monotonic() < self._paused_until or self._in_flight:
+            return 0, False
+        return min(limit, 1), limit > 0
+
+    def _accept(self, claims: list[store.Claim], now: datetime) -> None:
+        """Queue new claims to be sent; a payload that is not an email fails, unsent."""
         for claim in claims:
             signals.claimed.send(self, message_id=claim.id, category=claim.category)
             try:
                 self._ready.append((claim, Email.from_payload(claim.payload)))
             except (InvalidEmail, TypeError, ValueError) as exc:
                 decision = Decision(action=Action.FAIL, code="invalid_payload", message=str(exc))
-                poison.append(
+                self._unsaved.append(
                     _Done(
                         claim=claim,
                         started_at=None,
@@ -239,38 +286,30 @@ class Relay:
                         decision=decision,
                     )
                 )
-        if claims:
-            log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
-        if poison:
-            self._unsaved.extend(poison)
-            self._finalize()
-        if paused:
-            if self._ready:
-                self._probing = True  # one message tells whether sending works again
-            else:  # nothing to probe with: look again after another pause period
-                self._paused_until = time.monotonic() + self.config.pause_seconds
-        return bool(claims or expired)
 
-    def _start_ready(self) -> bool:
-        """Mark and send the claimed messages the rate limit allows now (one statement)."""
-        wave: list[tuple[store.Claim, Email]] = []
-        tickets: list[list[float]] = []
-        for item in self._ready:
-            ticket = self.limiter.take(max(1, item[0].recipient_count))
+    def _admissible(self) -> bool:
+        return bool(self._ready) and self.limiter.available() >= 1
+
+    def _admit(self) -> list[tuple[store.Claim, Email, list[float]]]:
+        """The unstarted claims the rate limit lets start now, in order, each with a ticket."""
+        wave: list[tuple[store.Claim, Email, list[float]]] = []
+        for claim, email in self._ready:
+            ticket = self.limiter.take(max(1, claim.recipient_count))
             if ticket is None:
                 break
-            wave.append(item)
-            tickets.append(ticket)
-        if not wave:
-            return False
-        now = self.clock()
-        marked: set[int] = set()
-        with self.engine.begin() as conn:
-            for token, ids in _by_token(c for c, _ in wave).items():
-                marked |= store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
-        del self._ready[: len(wave)]  # only once the marks committed: on error, retry them
-        for (claim, email), ticket in zip(wave, tickets, strict=True):
-            if claim.id not in marked:
+            wave.append((claim, email, ticket))
+        return wave
+
+    def _start(
+        self,
+        wave: list[tuple[store.Claim, Email, list[float]]],
+        marked: set[tuple[int, str]],
+        now: datetime,
+    ) -> None:
+        """Hand each marked message of the wave to a send thread. After a failed exchange the
+        same id can be queued under two claims; only the one whose mark applied is sent."""
+        for claim, email, ticket in wave:
+            if (claim.id, claim.claim_token) not in marked:
                 log.warning(
                     "lease lost before the send started; not sending",
                     extra={"action": "lease_lost", "message_id": claim.id},
@@ -290,7 +329,6 @@ class Relay:
             future = self._pool.submit(self._send, message, ticket, deadline)
             self._in_flight[claim.id] = _InFlight(claim=claim, started_at=now, future=future)
             future.add_done_callback(lambda _f: self._wake.set())
-        return True
 
     def _send(
         self, message: OutgoingMessage, ticket: list[float], deadline: float
@@ -313,8 +351,9 @@ class Relay:
             outcome = Ambiguous(code="sender_exception", message=f"{type(exc).__name__}: {exc}")
         return outcome, time.monotonic() - began
 
-    def _finalize(self) -> bool:
-        now = self.clock()
+    def _collect(self, now: datetime) -> None:
+        """Move finished sends, with the policy's decision, to the unsaved list, and react to
+        what the provider said before anything more is claimed (a pause, a throttle)."""
         for message_id, flight in list(self._in_flight.items()):
             if flight.future.done():
                 del self._in_flight[message_id]
@@ -329,32 +368,38 @@ class Relay:
                         duration=duration,
                     )
                 )
-        if not self._unsaved:
-            return False
-        batch, applied = list(self._unsaved), []
-        with self.engine.begin() as conn:
-            accepted = [d for d in batch if d.decision.action is Action.SENT]
-            sent = store.finalize_sent_many(
-                conn,
-                [
-                    (d.claim.id, d.claim.claim_token, d.decision.provider_message_id)
-                    for d in accepted
-                ],
-                now=now,
-            )
-            for done in batch:
-                if done.decision.action is Action.SENT:
-                    applied.append(done.claim.id in sent)
-                else:
-                    applied.append(store.apply_decision(conn, done.claim, done.decision, now))
-            store.record_attempts(
-                conn,
-                (
-                    _attempt(done, self.relay_id, stale=not ok)
-                    for done, ok in zip(batch, applied, strict=True)
-                ),
-            )
-        self._unsaved.clear()
+                self._react(outcome)
+
+    def _save(self, conn: sa.Connection, batch: list[_Done], now: datetime) -> list[bool]:
+        """Write each finished send's decision (guarded by its claim) and its attempt row;
+        returns, per item, whether the decision applied."""
+        if not batch:
+            return []
+        sent = store.finalize_sent_many(
+            conn,
+            [
+                (d.claim.id, d.claim.claim_token, d.decision.provider_message_id)
+                for d in batch
+                if d.decision.action is Action.SENT
+            ],
+            now=now,
+        )
+        applied = [
+            done.claim.id in sent
+            if done.decision.action is Action.SENT
+            else store.apply_decision(conn, done.claim, done.decision, now)
+            for done in batch
+        ]
+        store.record_attempts(
+            conn,
+            (
+                _attempt(done, self.relay_id, stale=not ok)
+                for done, ok in zip(batch, applied, strict=True)
+            ),
+        )
+        return applied
+
+    def _announce_saved(self, batch: list[_Done], applied: list[bool]) -> None:
         for done, ok in zip(batch, applied, strict=True):
             self._announce(
                 done.claim,
@@ -363,7 +408,18 @@ class Relay:
                 duration=done.duration,
                 outcome=_outcome_name(done.outcome),
             )
-            self._react(done.outcome)
+
+    def _finalize(self) -> bool:
+        """Save finished sends now, claiming nothing (drain, tests)."""
+        now = self.clock()
+        self._collect(now)
+        if not self._unsaved:
+            return False
+        batch = list(self._unsaved)
+        with self._transaction() as conn:
+            applied = self._save(conn, batch, now)
+        del self._unsaved[: len(batch)]
+        self._announce_saved(batch, applied)
         return True
 
     def _react(self, outcome: Outcome | None) -> None:
@@ -408,7 +464,7 @@ class Relay:
         if not due:
             return
         until = now + timedelta(seconds=self.config.lease_seconds)
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             for token, ids in _by_token(due).items():
                 kept = store.extend_lease(conn, ids=ids, claim_token=token, until=until)
                 for claim in due:
@@ -424,7 +480,11 @@ class Relay:
                         )
 
     def _sweep(self, now: datetime) -> bool:
-        with self.engine.begin() as conn:
+        last = self._last_sweep
+        if last is not None and (now - last).total_seconds() < SWEEP_INTERVAL:
+            return False
+        self._last_sweep = now
+        with self._transaction() as conn:
             swept = store.sweep_expired_leases(conn, now=now, relay_id=self.relay_id)
         for lease, decision in swept:
             self._announce(lease.claim, decision, applied=True, swept=True, outcome="lease_expired")
@@ -434,7 +494,7 @@ class Relay:
         """Expire rows that are not due yet; due ones are expired by the claim itself."""
         if time.monotonic() - self._last_expire < EXPIRE_INTERVAL:
             return
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             gone = store.expire(conn, now=now)
         self._last_expire = time.monotonic()
         self._announce_expired(gone)
@@ -448,7 +508,7 @@ class Relay:
 
     def _register(self) -> None:
         now = self.clock()
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             store.register(
                 conn, relay_id=self.relay_id, host=socket.gethostname(), pid=os.getpid(), now=now
             )
@@ -474,13 +534,13 @@ class Relay:
 
     def _heartbeat(self, now: datetime) -> None:
         if self.rate.total is not None and time.monotonic() - self._last_live_count >= LIVE_REFRESH:
-            with self.engine.begin() as conn:
+            with self._transaction() as conn:
                 within = 3 * self.config.heartbeat_interval
                 self.rate.set_replicas(store.live_relays(conn, now=now, within=within))
             self._last_live_count = time.monotonic()
         if time.monotonic() - self._last_heartbeat < self.config.heartbeat_interval:
             return
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             if not store.heartbeat(conn, relay_id=self.relay_id, now=now, state=self.state):
                 store.register(
                     conn,
@@ -495,7 +555,7 @@ class Relay:
         self._last_heartbeat = time.monotonic()
 
     def _deregister(self) -> None:
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             store.stop(conn, relay_id=self.relay_id, now=self.clock())
         log.info("relay stopped", extra={"action": "stopped", "relay_id": self.relay_id})
 
@@ -533,7 +593,7 @@ class Relay:
         if not self._ready:
             return
         now = self.clock()
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             for token, ids in _by_token(claim for claim, _email in self._ready).items():
                 store.release_unstarted(conn, ids=ids, claim_token=token, now=now)
         for claim, _email in self._ready:
@@ -558,6 +618,26 @@ class Relay:
             timeout = self.config.poll_interval * random.uniform(0.8, 1.2)
         self._wake.wait(timeout)
         self._wake.clear()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sa.Connection]:
+        """One transaction on the loop's own connection. The connection is kept between
+        passes (no pool checkout, no liveness ping per transaction) and dropped after any
+        error, so the next transaction starts on a fresh, pinged one."""
+        if self._conn is None:
+            self._conn = self.engine.connect()
+        try:
+            with self._conn.begin():
+                yield self._conn
+        except BaseException:
+            self._drop_connection()
+            raise
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def _with_db(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn``; on a database error log it and return None (the loop backs off)."""
