@@ -14,6 +14,7 @@ The rules that keep the relay safe live here:
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,9 +22,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.sql.dml import ReturningUpdate
 
 from outbox.migrations import VIEWS
-from outbox.schema import AmbiguityPolicy, Status, attempts, messages, relays
+from outbox.schema import AmbiguityPolicy, Status, UTCDateTime, attempts, messages, relays
 from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
 
 __all__ = [
@@ -81,6 +84,21 @@ _CLAIM_COLUMNS = (
     m.c.lease_expires_at,
 )
 _NO_CLAIM = {"claim_token": None, "lease_expires_at": None}
+# PostgreSQL: a batch of (id, claim token, provider id) as one row set, from three arrays
+_BATCH = (
+    sa.func.unnest(
+        sa.bindparam("b_ids", type_=postgresql.ARRAY(sa.BigInteger)),
+        sa.bindparam("b_tokens", type_=postgresql.ARRAY(sa.String)),
+        sa.bindparam("b_provider_ids", type_=postgresql.ARRAY(sa.String)),
+    )
+    .table_valued(
+        sa.column("id", sa.BigInteger),
+        sa.column("token", sa.String),
+        sa.column("provider_id", sa.String),
+    )
+    .render_derived()
+    .alias("batch")
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,14 +178,71 @@ def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
 # -- claim -------------------------------------------------------------------------------
 
 
-def _due(status: Status, now: datetime, limit: int) -> sa.Subquery:
+_NOW = sa.bindparam("c_now", type_=UTCDateTime())
+_LIMIT = sa.bindparam("c_limit", type_=sa.Integer())
+
+
+def _due(status: Status) -> sa.Subquery:
     return (
         sa.select(m.c.id, m.c.priority, m.c.next_attempt_at)
-        .where(m.c.status == status.value, m.c.next_attempt_at <= now)
+        .where(m.c.status == status.value, m.c.next_attempt_at <= _NOW)
         .order_by(m.c.priority, m.c.next_attempt_at, m.c.id)
-        .limit(limit)
+        .limit(_LIMIT)
         .with_for_update(skip_locked=True)
         .subquery()
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _ClaimStatements:
+    pick: sa.Select[Any]  # the due ids, locked (MySQL/MariaDB run it first)
+    update: sa.Update
+    update_returning: ReturningUpdate[Any]
+    read_back: sa.Select[Any]  # the claimed rows, where UPDATE ... RETURNING is missing
+
+
+@functools.cache
+def _claim_statements(lock_first: bool) -> _ClaimStatements:
+    """The claim's statements, built once (the values are bound parameters)."""
+    pending, retrying = _due(Status.PENDING), _due(Status.RETRYING)
+    merged = sa.union_all(sa.select(pending), sa.select(retrying)).subquery()
+    pick = (
+        sa.select(merged.c.id)
+        .order_by(merged.c.priority, merged.c.next_attempt_at, merged.c.id)
+        .limit(_LIMIT)
+    )
+    if lock_first:
+        # Lock the picked rows first: an UPDATE with an IN (subquery) is not planned as a
+        # range read of the claim index there.
+        chosen: sa.ColumnElement[bool] = m.c.id.in_(sa.bindparam("c_ids", expanding=True))
+    else:
+        chosen = m.c.id.in_(sa.select(pick.subquery().c.id))
+    token = sa.bindparam("c_token", type_=m.c.claim_token.type)
+    expired = sa.and_(m.c.expires_at.is_not(None), m.c.expires_at <= _NOW)
+    update = (
+        sa.update(m)
+        .where(chosen)
+        .values(
+            status=sa.case((expired, Status.EXPIRED.value), else_=Status.PROCESSING.value),
+            claim_token=token,
+            claimed_by=sa.case(
+                (expired, m.c.claimed_by),
+                else_=sa.bindparam("c_relay", type_=m.c.claimed_by.type),
+            ),
+            claimed_at=sa.case((expired, m.c.claimed_at), else_=_NOW),
+            lease_expires_at=sa.case(
+                (expired, None), else_=sa.bindparam("c_lease", type_=UTCDateTime())
+            ),
+            send_started_at=None,
+            updated_at=_NOW,
+        )
+    )
+    read_back = sa.select(*_CLAIM_COLUMNS).where(chosen, m.c.claim_token == token)
+    return _ClaimStatements(
+        pick=pick,
+        update=update,
+        update_returning=update.returning(*_CLAIM_COLUMNS),
+        read_back=read_back,
     )
 
 
@@ -184,40 +259,23 @@ def claim_batch(
     one per claim: rows are identified by (id, claim_token).
     """
     token = str(uuid.uuid4())
-    pending, retrying = _due(Status.PENDING, now, limit), _due(Status.RETRYING, now, limit)
-    merged = sa.union_all(sa.select(pending), sa.select(retrying)).subquery()
-    pick = sa.select(merged.c.id).order_by(merged.c.priority, merged.c.next_attempt_at, merged.c.id)
-    picked = pick.limit(limit)
+    params: dict[str, Any] = {
+        "c_now": now,
+        "c_limit": limit,
+        "c_token": token,
+        "c_relay": relay_id,
+        "c_lease": now + timedelta(seconds=lease_seconds),
+    }
+    statements = _claim_statements(conn.dialect.name in ("mysql", "mariadb"))
     if conn.dialect.name in ("mysql", "mariadb"):
-        # Lock the picked rows first: an UPDATE with an IN (subquery) is not planned as a
-        # range read of the claim index there.
-        ids = list(conn.execute(picked).scalars())
-        if not ids:
+        params["c_ids"] = list(conn.execute(statements.pick, params).scalars())
+        if not params["c_ids"]:
             return [], []
-        chosen: sa.ColumnElement[bool] = m.c.id.in_(ids)
-    else:
-        chosen = m.c.id.in_(sa.select(picked.subquery().c.id))
-    expired = sa.and_(m.c.expires_at.is_not(None), m.c.expires_at <= now)
-    stmt = (
-        sa.update(m)
-        .where(chosen)
-        .values(
-            status=sa.case((expired, Status.EXPIRED.value), else_=Status.PROCESSING.value),
-            claim_token=token,
-            claimed_by=sa.case((expired, m.c.claimed_by), else_=relay_id),
-            claimed_at=sa.case((expired, m.c.claimed_at), else_=now),
-            lease_expires_at=sa.case((expired, None), else_=now + timedelta(seconds=lease_seconds)),
-            send_started_at=None,
-            updated_at=now,
-        )
-    )
     if conn.dialect.update_returning:
-        rows = conn.execute(stmt.returning(*_CLAIM_COLUMNS)).all()
+        rows = conn.execute(statements.update_returning, params).all()
     else:
-        conn.execute(stmt)
-        rows = conn.execute(
-            sa.select(*_CLAIM_COLUMNS).where(chosen, m.c.claim_token == token)
-        ).all()
+        conn.execute(statements.update, params)
+        rows = conn.execute(statements.read_back, params).all()
     claims, gone = [], []
     for row in rows:
         if row.status == Status.EXPIRED.value:
@@ -328,27 +386,40 @@ def finalize_sent(
 def finalize_sent_many(
     conn: sa.Connection, items: Sequence[tuple[int, str, str | None]], *, now: datetime
 ) -> set[int]:
-    """finalize_sent for a batch, as one executemany of the same guarded UPDATE (each row
-    keeps its own id + claim token + status guard). ``items`` are (id, claim_token,
-    provider_message_id); returns the ids that moved to sent."""
+    """finalize_sent for a batch: each row keeps its own id + claim token + status guard.
+    ``items`` are (id, claim_token, provider_message_id); returns the ids that moved to sent.
+
+    PostgreSQL runs it as one ``UPDATE ... FROM unnest(...) RETURNING`` (one statement, one
+    plan, whatever the batch size); elsewhere it is one executemany of the guarded UPDATE."""
     if not items:
         return set()
-    stmt = (
+    values = {
+        **_attempted(now, None, None),
+        "status": Status.SENT.value,
+        "sent_at": now,
+    }
+    processing = m.c.status == Status.PROCESSING.value
+    if conn.dialect.name == "postgresql":
+        ids, tokens, provider_ids = (list(column) for column in zip(*items, strict=True))
+        stmt = (
+            sa.update(m)
+            .where(m.c.id == _BATCH.c.id, m.c.claim_token == _BATCH.c.token, processing)
+            .values(**values, provider_message_id=_BATCH.c.provider_id)
+            .returning(m.c.id)
+        )
+        params = {"b_ids": ids, "b_tokens": tokens, "b_provider_ids": provider_ids}
+        return set(conn.execute(stmt, params).scalars())
+    each = (
         sa.update(m)
         .where(
             m.c.id == sa.bindparam("b_id"),
             m.c.claim_token == sa.bindparam("b_token"),
-            m.c.status == Status.PROCESSING.value,
+            processing,
         )
-        .values(
-            **_attempted(now, None, None),
-            status=Status.SENT.value,
-            sent_at=now,
-            provider_message_id=sa.bindparam("b_provider_id"),
-        )
+        .values(**values, provider_message_id=sa.bindparam("b_provider_id"))
     )
-    params = [{"b_id": i, "b_token": t, "b_provider_id": p} for i, t, p in items]
-    if conn.execute(stmt, params).rowcount == len(items):
+    rows = [{"b_id": i, "b_token": t, "b_provider_id": p} for i, t, p in items]
+    if conn.execute(each, rows).rowcount == len(items):
         return {i for i, _t, _p in items}
     # Some guard failed (a stale claim): find which rows this statement moved.
     wanted = {i: p for i, _t, p in items}
@@ -468,23 +539,54 @@ def release_unstarted(
     return int(conn.execute(stmt).rowcount)
 
 
+_ATTEMPT_FIELDS = (
+    "message_id",
+    "claim_token",
+    "relay_id",
+    "started_at",
+    "finished_at",
+    "outcome",
+    "error_code",
+    "error_message",
+    "provider_message_id",
+)
+
+
+def _array_type(column: sa.Column[Any]) -> postgresql.ARRAY[Any]:
+    if isinstance(column.type, UTCDateTime):
+        return postgresql.ARRAY(sa.DateTime(timezone=True))
+    return postgresql.ARRAY(column.type)
+
+
+# PostgreSQL: attempt rows arrive as one array per column, unnested into one INSERT
+_ATTEMPT_ROWS = (
+    sa.func.unnest(
+        *(
+            sa.bindparam(f"a_{name}", type_=_array_type(attempts.c[name]))
+            for name in _ATTEMPT_FIELDS
+        )
+    )
+    .table_valued(*(sa.column(name, attempts.c[name].type) for name in _ATTEMPT_FIELDS))
+    .render_derived()
+    .alias("attempt")
+)
+_INSERT_ATTEMPTS_PG = sa.insert(attempts).from_select(
+    list(_ATTEMPT_FIELDS), sa.select(*_ATTEMPT_ROWS.c)
+)
+
+
 def record_attempts(conn: sa.Connection, records: Iterable[AttemptRecord]) -> None:
-    """record_attempts -- Append attempt rows (in the finalize's transaction, stale or not)."""
-    rows = [
-        {
-            "message_id": r.message_id,
-            "claim_token": r.claim_token,
-            "relay_id": r.relay_id,
-            "started_at": r.started_at,
-            "finished_at": r.finished_at,
-            "outcome": r.outcome,
-            "error_code": r.error_code,
-            "error_message": r.error_message,
-            "provider_message_id": r.provider_message_id,
-        }
-        for r in records
-    ]
-    if rows:
+    """record_attempts -- Append attempt rows (in the finalize's transaction, stale or not):
+    one ``INSERT ... SELECT FROM unnest(...)`` on PostgreSQL, an executemany elsewhere."""
+    rows = [{name: getattr(r, name) for name in _ATTEMPT_FIELDS} for r in records]
+    if not rows:
+        return
+    if conn.dialect.name == "postgresql":
+        conn.execute(
+            _INSERT_ATTEMPTS_PG,
+            {f"a_{name}": [row[name] for row in rows] for name in _ATTEMPT_FIELDS},
+        )
+    else:
         conn.execute(sa.insert(attempts), rows)
 
 
