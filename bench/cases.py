@@ -447,6 +447,30 @@ def _claim_ms(engine: sa.Engine, repeats: int = 40) -> float:
     return statistics.median(times) * 1000
 
 
+def _finish_held_back(engine: sa.Engine, n: int) -> sa.Connection:
+    """Open a REPEATABLE READ transaction that read a row (it holds PostgreSQL's xmin horizon
+    back), then move the first ``n`` due rows, in claim order, to sent: each leaves a dead
+    tuple and a dead claim-index entry that nothing can clean while the reader lives. Returns
+    the reader; the caller rolls it back."""
+    reader = engine.connect().execution_options(isolation_level="REPEATABLE READ")
+    reader.begin()
+    reader.execute(sa.select(m.c.id).limit(1)).all()
+    first = (
+        sa.select(m.c.id)
+        .where(m.c.status == Status.PENDING.value)
+        .order_by(m.c.priority, m.c.next_attempt_at, m.c.id)
+        .limit(n)
+    )
+    now = utcnow()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(m)
+            .where(m.c.id.in_(first.scalar_subquery()))
+            .values(status=Status.SENT.value, sent_at=now, updated_at=now)
+        )
+    return reader
+
+
 def backlog(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
     reset(engine)
     fill(engine, sizes.backlog_small, prefix="due")
@@ -458,7 +482,7 @@ def backlog(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
         fill(engine, more, prefix="more")
     analyze(engine)
     big = _claim_ms(engine)
-    return [
+    results = [
         Result(
             benchmark="backlog claim",
             database=db,
@@ -475,6 +499,28 @@ def backlog(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
             },
         )
     ]
+    if _pg(engine):
+        dead_rows = sizes.backlog_small
+        reader = _finish_held_back(engine, dead_rows)
+        try:
+            dead = _claim_ms(engine)
+        finally:
+            reader.rollback()
+            reader.close()
+        results.append(
+            Result(
+                benchmark="claim, dead tuples",
+                database=db,
+                value=dead,
+                baseline=big,
+                unit="ms/claim",
+                ratio=dead / big,
+                target="(none)",
+                met=None,
+                details={"dead_rows_ahead_of_the_claim": dead_rows, "xmin_held": True},
+            )
+        )
+    return results
 
 
 CASES = {
