@@ -26,7 +26,15 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import ReturningUpdate
 
 from outbox.migrations import VIEWS
-from outbox.schema import AmbiguityPolicy, Status, UTCDateTime, attempts, messages, relays
+from outbox.schema import (
+    CLAIMABLE,
+    AmbiguityPolicy,
+    Status,
+    UTCDateTime,
+    attempts,
+    messages,
+    relays,
+)
 from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
 
 __all__ = [
@@ -182,10 +190,20 @@ _NOW = sa.bindparam("c_now", type_=UTCDateTime())
 _LIMIT = sa.bindparam("c_limit", type_=sa.Integer())
 
 
+def _literal(status: Status) -> sa.ColumnElement[str]:
+    return sa.literal_column(f"'{status.value}'", sa.String)
+
+
+# The claim index is partial (claimable statuses only). SQLite uses a partial index only if the
+# query repeats the index's own condition with literals, so the claim says both: the status
+# equality first, or SQLite plans the IN as the index range and sorts every due row.
+_CLAIMABLE = m.c.status.in_([_literal(s) for s in CLAIMABLE])
+
+
 def _due(status: Status) -> sa.Subquery:
     return (
         sa.select(m.c.id, m.c.priority, m.c.next_attempt_at)
-        .where(m.c.status == status.value, m.c.next_attempt_at <= _NOW)
+        .where(m.c.status == _literal(status), _CLAIMABLE, m.c.next_attempt_at <= _NOW)
         .order_by(m.c.priority, m.c.next_attempt_at, m.c.id)
         .limit(_LIMIT)
         .with_for_update(skip_locked=True)
