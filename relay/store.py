@@ -315,13 +315,26 @@ def _stamp_wave(
     returns the ids it set. MySQL reports matched rows, so only a short count needs a read."""
     if not ids:
         return set()
-    guard = sa.and_(
-        m.c.id.in_(ids), m.c.claim_token == claim_token, m.c.status == Status.PROCESSING.value
-    )
-    result = conn.execute(sa.update(m).where(guard).values({column: value}))
-    if result.rowcount == len(ids):
+    stamp, read = _stamp_statements(column.name)
+    params = {"w_ids": list(ids), "w_token": claim_token, "w_value": value}
+    if conn.execute(stamp, params).rowcount == len(ids):
         return set(ids)
-    return set(conn.execute(sa.select(m.c.id).where(guard, column == value)).scalars())
+    return set(conn.execute(read, params).scalars())
+
+
+@functools.cache
+def _stamp_statements(column_name: str) -> tuple[sa.Update, sa.Select[Any]]:
+    """_stamp_wave's UPDATE and its read-back, built once per column."""
+    column = m.c[column_name]
+    value = sa.bindparam("w_value", type_=UTCDateTime())
+    guard = sa.and_(
+        m.c.id.in_(sa.bindparam("w_ids", expanding=True)),
+        m.c.claim_token == sa.bindparam("w_token", type_=m.c.claim_token.type),
+        m.c.status == Status.PROCESSING.value,
+    )
+    return sa.update(m).where(guard).values({column: value}), sa.select(m.c.id).where(
+        guard, column == value
+    )
 
 
 def mark_send_started(
@@ -372,7 +385,9 @@ def _transition(
     return conn.execute(stmt).rowcount == 1
 
 
-def _attempted(now: datetime, code: str | None, message: str | None) -> dict[str, Any]:
+def _attempted(
+    now: datetime | sa.BindParameter[datetime], code: str | None, message: str | None
+) -> dict[str, Any]:
     return {
         **_NO_CLAIM,
         "attempt_count": m.c.attempt_count + 1,
@@ -401,6 +416,24 @@ def finalize_sent(
     return _transition(conn, message_id, claim_token, values, None)
 
 
+_BATCH_NOW = sa.bindparam("b_now", type_=UTCDateTime())
+_FINALIZE_SENT_BATCH = (
+    sa.update(m)
+    .where(
+        m.c.id == _BATCH.c.id,
+        m.c.claim_token == _BATCH.c.token,
+        m.c.status == Status.PROCESSING.value,
+    )
+    .values(
+        **_attempted(_BATCH_NOW, None, None),
+        status=Status.SENT.value,
+        sent_at=_BATCH_NOW,
+        provider_message_id=_BATCH.c.provider_id,
+    )
+    .returning(m.c.id)
+)
+
+
 def finalize_sent_many(
     conn: sa.Connection, items: Sequence[tuple[int, str, str | None]], *, now: datetime
 ) -> set[int]:
@@ -419,14 +452,8 @@ def finalize_sent_many(
     processing = m.c.status == Status.PROCESSING.value
     if conn.dialect.name == "postgresql":
         ids, tokens, provider_ids = (list(column) for column in zip(*items, strict=True))
-        stmt = (
-            sa.update(m)
-            .where(m.c.id == _BATCH.c.id, m.c.claim_token == _BATCH.c.token, processing)
-            .values(**values, provider_message_id=_BATCH.c.provider_id)
-            .returning(m.c.id)
-        )
-        params = {"b_ids": ids, "b_tokens": tokens, "b_provider_ids": provider_ids}
-        return set(conn.execute(stmt, params).scalars())
+        params = {"b_ids": ids, "b_tokens": tokens, "b_provider_ids": provider_ids, "b_now": now}
+        return set(conn.execute(_FINALIZE_SENT_BATCH, params).scalars())
     each = (
         sa.update(m)
         .where(
