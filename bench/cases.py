@@ -97,9 +97,30 @@ def _pg(engine: sa.Engine) -> bool:
 # -- 1. drain --------------------------------------------------------------------------------
 
 
+_PG_RAW_CLAIM = """
+UPDATE outbox_messages SET status = 'processing', claim_token = %(token)s, claimed_at = now(),
+       lease_expires_at = now() + interval '120 seconds', send_started_at = now(),
+       updated_at = now()
+WHERE id IN (SELECT id FROM outbox_messages
+             WHERE status = 'pending' AND next_attempt_at <= now()
+             ORDER BY priority, next_attempt_at, id LIMIT %(batch)s FOR UPDATE SKIP LOCKED)
+RETURNING id
+"""
+_PG_RAW_FINALIZE = """
+UPDATE outbox_messages SET status = 'sent', claim_token = NULL, lease_expires_at = NULL,
+       attempt_count = attempt_count + 1, sent_at = now(), updated_at = now()
+WHERE id = ANY(%(ids)s) AND claim_token = %(token)s AND status = 'processing'
+"""
+
+
 def raw_drain(engine: sa.Engine, batch: int = 50) -> int:
     """The floor: claim ``batch`` due rows (FOR UPDATE SKIP LOCKED) to processing, then one
-    guarded finalize of the batch to sent; until nothing is due. Returns rows moved."""
+    guarded finalize of the batch to sent; until nothing is due. Returns rows moved.
+
+    On PostgreSQL it is hand-written SQL on the driver's own connection (one statement per
+    step, no SQLAlchemy in the loop): the fastest loop that still claims and fences."""
+    if _pg(engine):
+        return _raw_drain_pg(engine, batch)
     done = 0
     while True:
         now = utcnow()
@@ -146,6 +167,25 @@ def raw_drain(engine: sa.Engine, batch: int = 50) -> int:
                 )
             )
         done += len(ids)
+
+
+def _raw_drain_pg(engine: sa.Engine, batch: int) -> int:
+    done = 0
+    with engine.connect() as conn:
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        while True:
+            token = str(uuid.uuid4())
+            with driver.transaction():
+                ids = [
+                    row[0]
+                    for row in driver.execute(_PG_RAW_CLAIM, {"token": token, "batch": batch})
+                ]
+            if not ids:
+                return done
+            with driver.transaction():
+                driver.execute(_PG_RAW_FINALIZE, {"ids": ids, "token": token})
+            done += len(ids)
 
 
 def _relay_config(engine: sa.Engine, **options: Any) -> RelayConfig:
