@@ -127,7 +127,10 @@ def test_database_server_restarts_mid_run_lose_nothing(server_backend, moto, tmp
     stays within the sends in flight at the restarts."""
     command = restart_command(server_backend)
     if command is None:
-        pytest.skip(f"{RESTART_ENV[server_backend.name]} is not set")
+        pytest.skip(
+            f"{RESTART_ENV[server_backend.name]} is not set: no command to restart the "
+            f"{server_backend.name} server"
+        )
     try:
         summary = ledger(
             server_backend, moto, tmp_path, "db_restart", size(900), restart_command=command
