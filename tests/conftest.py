@@ -52,6 +52,17 @@ class Backend:
     engine: sa.Engine
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--ledger-messages",
+        type=int,
+        default=None,
+        metavar="N",
+        help="messages per delivery-ledger run in tests/reliability (default: each test's CI "
+        "size; the xmin throughput pair never goes below its own). Raise --timeout with it.",
+    )
+
+
 def _unavailable(name: str, reason: str) -> None:
     message = f"{name} backend unavailable: {reason}"
     if CI:

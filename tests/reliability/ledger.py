@@ -14,11 +14,30 @@ Every message must be exactly one of:
 * ``unknown_outcome``: received at most once, its last attempt recorded under the claim that
   made it (claim token and relay of the row's claim, outcome ``ambiguous``/``lease_expired``);
 * ``failed``: received zero times, an error code recorded;
-* ``cancelled`` / ``expired``: received zero times.
+* ``cancelled`` / ``expired``: received zero times; except resend mail, which goes back to
+  ``retrying`` after an unanswered send (and can then be cancelled or expire): received at most
+  as many times as it has unanswered attempts (``ambiguous``/``lease_expired``) recorded.
 
 And ``unknown_outcome`` is bounded by what could be ambiguous: the sends in flight at each
 fault (processing rows with ``send_started_at`` set, claimed by the killed/stopped relay, read
 while it cannot move) plus the fault server's own ambiguous answers (hangs, resets).
+
+A database restart (``db_restart``, and once in ``combined``) is a real stop and start of the
+server by a shell command (``--restart-command``; the tests read ``OUTBOX_TEST_POSTGRES_RESTART``
+/ ``OUTBOX_TEST_MYSQL_RESTART``). The sends in flight at a restart are the rows whose send had
+started and was not finalized at the last moment the harness could still read the database
+(it polls while the server goes down), plus every send whose recorded start falls between that
+moment and the moment the server dropped the harness's connection (each widened by a margin).
+
+Operator cancels (``cancel``, ``combined``) go through the real ``outbox-relay cancel ID --yes``
+while the relays run, aimed at pending rows (some at the head of the queue, so some lose the
+race to a claim) and at rows already claimed or sent; what the CLI reported decides what the
+reconciliation expects: reported cancelled -> ``cancelled``, received zero times; reported as
+refused or moved -> not cancelled.
+
+``--sender fake`` runs the relays with :class:`relay.testing.FakeSender` (no latency, a shared
+record of every send) instead of SES through moto: the throughput of the relay and the database
+alone, still reconciled per row (the xmin factor is measured this way).
 
 Run alone::
 
@@ -37,6 +56,7 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -48,8 +68,9 @@ from sqlalchemy.orm import sessionmaker
 from outbox import Category, Email, Outbox, migrations
 from outbox.schema import attempts, messages, relays
 from relay.db import make_engine
-from tests.acceptance.relayproc import RELAY, RelayProc, clean_env
-from tests.ses_emulator import FaultPlan, FaultServer, MotoSes, aws_env
+from relay.testing import read_deliveries
+from tests.acceptance.relayproc import FAKE_SENDER, RELAY, RelayProc, clean_env
+from tests.ses_emulator import FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
 DIGEST = Category(name="digest", backoff_base=0.2, backoff_cap=1.0, ambiguity="resend")
@@ -57,6 +78,8 @@ EXPIRING = Category(name="expiring", backoff_base=0.2, backoff_cap=1.0)  # hold,
 OUTBOX = Outbox(categories=[FAST, DIGEST, EXPIRING])
 SETTLED = frozenset({"sent", "failed", "unknown_outcome", "cancelled", "expired"})
 AMBIGUOUS_KINDS = frozenset({"hang", "reset"})  # SES took it, the client never heard
+# attempts whose send may have reached SES without an answer
+UNANSWERED = frozenset({"ambiguous", "lease_expired", "stale:ambiguous"})
 SCENARIOS = (
     "clean",
     "sigkill",
@@ -66,10 +89,21 @@ SCENARIOS = (
     "slow_sender",
     "poison",
     "xmin",
+    "db_restart",
+    "cancel",
+    "combined",
 )
+SENDERS = ("ses", "fake")
 SEND_TIMEOUT = 2.0
 LEASE = 5.0
 BENIGN_ERRORS = ("BrokenPipeError", "ConnectionResetError")
+SES_FAULT_MIX = {"throttle": 0.10, "server_error": 0.05, "hang": 0.02, "reset": 0.01}
+PAUSE_WINDOW = 2.0  # seconds SES answers every send with SendingPausedException
+# a send whose start was stamped this long before the last read may have committed after it
+RESTART_MARGIN_BEFORE = 0.2
+# a server closes its connections one by one: one may commit this long after ours was dropped
+RESTART_MARGIN_AFTER = 0.1
+RESTART_TIMEOUT = 120.0  # seconds a restart command, and the server coming back, may take
 
 
 @dataclass
@@ -88,12 +122,20 @@ class Summary:
     failed: int = 0
     cancelled: int = 0
     expired: int = 0
+    # resend mail cancelled or expired after an unanswered send that SES had in fact accepted
+    ended_after_unanswered: int = 0
     sent: int = 0
     in_flight_at_faults: list[int] = field(default_factory=list)
     ambiguous_faults: int = 0  # hangs and resets the fault server answered
     slow_answers: int = 0  # read timeouts on requests the fault server passed (moto too slow)
     requests: Counter[str] = field(default_factory=Counter)
     restarts: int = 0
+    sender: str = "ses"
+    db_restarts: int = 0  # real database server restarts (the server's start time changed)
+    restart_seconds: list[float] = field(default_factory=list)  # command start -> accepting
+    restart_windows: list[RestartWindow] = field(default_factory=list)
+    cancels: dict[int, str] = field(default_factory=dict)  # id -> what the CLI reported
+    notes: list[str] = field(default_factory=list)
     xmin_held: bool | None = None  # xmin: the open transaction still held the horizon at the end
     throughput: float = 0.0  # SES requests per second, first to last
     frozen_claims: dict[int, str] = field(default_factory=dict)  # slow_sender: id -> token
@@ -105,6 +147,16 @@ class Summary:
     def unknown_bound(self) -> int:
         return sum(self.in_flight_at_faults) + self.ambiguous_faults
 
+    @property
+    def cancel_confirmed(self) -> int:
+        """Cancels the CLI reported as done."""
+        return sum(1 for answer in self.cancels.values() if answer == "cancelled")
+
+    @property
+    def cancel_lost(self) -> int:
+        """Cancels the CLI reported as not done: the row was claimed, sent or moved first."""
+        return len(self.cancels) - self.cancel_confirmed
+
     def line(self) -> str:
         return (
             f"[{self.backend}] {self.scenario}: N={self.messages} K={self.relays} "
@@ -114,12 +166,32 @@ class Summary:
             f"(in flight at faults {self.in_flight_at_faults}, ambiguous SES faults "
             f"{self.ambiguous_faults}; read timeouts on passed requests {self.slow_answers}), "
             f"failed {self.failed}, expired {self.expired}, "
-            f"cancelled {self.cancelled}; stale finalizes recorded {self.stale_finalized} "
+            f"cancelled {self.cancelled} (cancelled or expired resend mail that an "
+            f"unanswered send had delivered: {self.ended_after_unanswered}); "
+            f"stale finalizes recorded {self.stale_finalized} "
             f"(sent after the sweep {self.sent_after_sweep}); "
             f"relays restarted {self.restarts}; "
-            f"SES requests {dict(self.requests)} at {self.throughput:.0f}/s; "
-            f"problems {len(self.problems)}"
+            f"database restarts {self.db_restarts} "
+            f"({', '.join(f'{s:.1f}s' for s in self.restart_seconds) or 'none'}); "
+            f"cancels {self.cancel_confirmed} done, {self.cancel_lost} lost the race; "
+            + (
+                f"SES requests {dict(self.requests)} at {self.throughput:.0f}/s; "
+                if self.sender == "ses"
+                else f"fake sender: {self.accepted} sends at {self.throughput:.0f}/s; "
+            )
+            + f"problems {len(self.problems)}"
+            + "".join(f"; NOTE {note}" for note in self.notes)
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartWindow:
+    """One database restart: the last moment the harness read the database before it went down
+    (wall clock), the sends in flight then, and when its connection was dropped."""
+
+    last_read: float
+    in_flight: frozenset[int]
+    down: float  # when the harness's own connection was dropped
 
 
 # -- setup -----------------------------------------------------------------------------------
@@ -180,14 +252,25 @@ class Fleet:
     endpoint: str
     workdir: Path
     args: tuple[str, ...]
+    record: Path | None = None  # with the fake sender: its shared record of sends
     started: list[RelayProc] = field(default_factory=list)
+    signalled: set[str] = field(default_factory=set)  # relay ids the harness killed or stopped
+
+    def signal(self, proc: RelayProc, signum: int) -> None:
+        if signum in (signal.SIGKILL, signal.SIGTERM):
+            self.signalled.add(proc.relay_id)
+        proc.popen.send_signal(signum)
 
     def start(self) -> RelayProc:
         relay_id = f"ledger-{len(self.started) + 1}"
         log = self.workdir / f"{relay_id}.log"
         env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
         env.update(aws_env(self.endpoint))
-        command = [RELAY, "run", "--database-url", self.url, "--sender", "ses"]
+        sender = "ses"
+        if self.record is not None:
+            env.update(OUTBOX_FAKE_RECORD_FILE=str(self.record), OUTBOX_FAKE_LATENCY="0")
+            sender = FAKE_SENDER
+        command = [RELAY, "run", "--database-url", self.url, "--sender", sender]
         with log.open("wb") as out:
             popen = subprocess.Popen(
                 [*command, "--relay-id", relay_id, *self.args],
@@ -214,6 +297,12 @@ class Fleet:
             return all(p.relay_id in ids for p in self.running())
 
         wait_for(all_registered, timeout=timeout, what="every running relay registered")
+        for proc in self.started:  # a relay must outlive every fault but a signal
+            code = proc.popen.poll()
+            if code is not None and proc.relay_id not in self.signalled:
+                summary.problems.append(
+                    f"{proc.relay_id} exited {code} by itself: {proc.output()[-1500:]}"
+                )
         running = self.running()
         for proc in running:
             proc.popen.send_signal(signal.SIGCONT)
@@ -325,53 +414,280 @@ def kill_db_connections(engine: sa.Engine) -> int:
     return int(killed)
 
 
-def inject(
-    scenario: str,
-    engine: sa.Engine,
-    fleet: Fleet,
-    ses: FaultServer,
-    summary: Summary,
-    rng: random.Random,
-    total: int,
+def server_started_at(engine: sa.Engine) -> float:
+    """When the database server last started (epoch seconds, to about a second on MariaDB)."""
+    with engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            return float(
+                conn.execute(
+                    sa.text("SELECT extract(epoch FROM pg_postmaster_start_time())")
+                ).scalar_one()
+            )
+        uptime = conn.execute(
+            sa.text(
+                "SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS "
+                "WHERE VARIABLE_NAME = 'UPTIME'"
+            )
+        ).scalar_one()
+        return time.time() - float(uptime)
+
+
+def in_flight_ids(conn: sa.Connection) -> frozenset[int]:
+    return frozenset(
+        conn.execute(
+            sa.select(messages.c.id).where(
+                messages.c.status == "processing", messages.c.send_started_at.is_not(None)
+            )
+        ).scalars()
+    )
+
+
+def restart_database(engine: sa.Engine, command: str, summary: Summary, workdir: Path) -> None:
+    """Run ``command`` (a real stop and start of the server) while the relays run. Meanwhile
+    read the sends in flight on a connection of its own until the server drops it; then wait
+    until the server accepts connections again. The harness's pooled connections are gone with
+    the server: dispose of them."""
+    before = server_started_at(engine)
+    log = workdir / f"restart-{summary.db_restarts + len(summary.restart_seconds) + 1}.log"
+    watcher = make_engine(engine.url, poolclass=sa.pool.NullPool)
+    began = time.monotonic()
+    try:
+        conn = watcher.connect()
+        last_read, flying = time.time(), in_flight_ids(conn)
+        down = float("inf")
+        with log.open("wb") as out:
+            restart = subprocess.Popen(
+                command, shell=True, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+            try:
+                while True:
+                    at = time.time()
+                    try:
+                        ids = in_flight_ids(conn)
+                        conn.rollback()
+                    except sa.exc.DBAPIError:
+                        down = time.time()  # the server went down
+                        break
+                    last_read, flying = at, ids
+                    if restart.poll() is not None:
+                        break  # done, and the connection still works: it did not restart
+                    time.sleep(0.01)
+                code = restart.wait(RESTART_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                restart.kill()
+                raise AssertionError(
+                    f"restart command still running after {RESTART_TIMEOUT}s: {command}"
+                ) from None
+        conn.invalidate()
+        conn.close()
+        if code != 0:
+            raise AssertionError(
+                f"restart command exited {code}: {command}\n{log.read_text()[-2000:]}"
+            )
+
+        def accepting() -> bool:
+            try:
+                with watcher.connect() as probe:
+                    probe.execute(sa.text("SELECT 1"))
+            except sa.exc.DBAPIError:
+                return False
+            return True
+
+        wait_for(accepting, timeout=RESTART_TIMEOUT, what="the database to accept connections")
+    finally:
+        watcher.dispose()
+    engine.dispose()
+    summary.restart_seconds.append(time.monotonic() - began)
+    after = server_started_at(engine)
+    if after <= before + 0.5:
+        summary.problems.append(f"the server did not restart: {command!r} left it running")
+        return
+    if down == float("inf"):
+        summary.problems.append("the server restarted, but the harness never saw it go down")
+        return
+    summary.db_restarts += 1
+    summary.restart_windows.append(RestartWindow(last_read=last_read, in_flight=flying, down=down))
+
+
+def cancel_sample(
+    engine: sa.Engine, url: str, summary: Summary, rng: random.Random, workdir: Path
 ) -> None:
+    """Cancel a sample of messages through the real CLI while the relays run, one
+    ``outbox-relay cancel ID --yes`` per message, a few at once: pending rows from the head of
+    the queue (the next to be claimed: some lose the race), pending rows from its tail (these
+    should be cancelled), and rows already claimed or sent (refused). Records what the CLI said."""
+    order = (messages.c.priority, messages.c.next_attempt_at, messages.c.id)
+    with engine.connect() as conn:
+        queued = list(
+            conn.execute(
+                sa.select(messages.c.id)
+                .where(messages.c.status.in_(("pending", "retrying")))
+                .order_by(*order)
+            ).scalars()
+        )
+        taken = list(
+            conn.execute(
+                sa.select(messages.c.id)
+                .where(messages.c.status.in_(("processing", "sent")))
+                .order_by(messages.c.updated_at.desc())
+                .limit(20)
+            ).scalars()
+        )
+    queued = [i for i in queued if i not in summary.cancels]
+    taken = [i for i in taken if i not in summary.cancels]
+    # a CLI takes a second or more to start on a busy machine: the tail is the very end
+    head, tail = queued[:6], queued[-10:]
+    picks = [
+        *rng.sample(tail, min(3, len(tail))),
+        *rng.sample(head, min(2, len(head))),
+        *rng.sample(taken, min(2, len(taken))),
+    ]
+    env = clean_env()
+
+    def cancel(id_: int) -> tuple[int, str]:
+        done = subprocess.run(
+            [RELAY, "cancel", "--database-url", url, str(id_), "--yes", "--reason", "ledger"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        said = (done.stdout + done.stderr).strip()
+        # the CLI spells its verb "canceled"; the status is "cancelled"
+        if done.returncode == 0 and said == "canceled 1 message(s)":
+            return id_, "cancelled"
+        if done.returncode == 0 and said.startswith("canceled 0 message(s) (1 moved meanwhile"):
+            return id_, "moved"
+        if done.returncode == 1 and f"cannot cancel {id_} (" in said:
+            return id_, "refused: " + said.split(f"cannot cancel {id_} (", 1)[1].split(")")[0]
+        return id_, f"unexpected (exit {done.returncode}): {said[-500:]}"
+
+    if not picks:
+        return
+    with ThreadPoolExecutor(len(picks)) as pool:
+        for id_, answer in pool.map(cancel, picks):
+            summary.cancels[id_] = answer
+            if answer.startswith("unexpected"):
+                summary.problems.append(f"outbox-relay cancel {id_}: {answer}")
+    (workdir / "cancels.log").write_text(
+        "".join(f"{i}\t{a}\n" for i, a in sorted(summary.cancels.items()))
+    )
+
+
+def sigkill(engine: sa.Engine, fleet: Fleet, summary: Summary, rng: random.Random) -> None:
+    victim = rng.choice(registered(engine, fleet))
+    fleet.signal(victim, signal.SIGKILL)
+    victim.popen.wait(10)
+    # dead: its rows cannot move until their lease runs out (LEASE s), so this is exact
+    summary.in_flight_at_faults.append(in_flight(engine, victim.relay_id))
+    fleet.start()
+    summary.restarts += 1
+
+
+def sigterm(engine: sa.Engine, fleet: Fleet, summary: Summary, rng: random.Random) -> None:
+    victim = rng.choice(registered(engine, fleet))
+    summary.in_flight_at_faults.append(in_flight(engine, victim.relay_id))
+    fleet.signal(victim, signal.SIGTERM)
+    fleet.start()  # the replacement starts while the old one drains, as in a deploy
+    summary.restarts += 1
+    code = victim.wait(30)
+    if code != 0:
+        summary.problems.append(f"{victim.relay_id} exited {code} on SIGTERM")
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What a fault schedule acts on."""
+
+    engine: sa.Engine
+    url: str
+    fleet: Fleet
+    ses: FaultServer
+    summary: Summary
+    rng: random.Random
+    total: int
+    workdir: Path
+    restart_command: str | None
+
+    def at(self, mark: float) -> None:
+        """Wait until ``mark`` (a share) of the rows have settled."""
+        wait_for(
+            lambda: progress(self.engine, self.total) >= mark,
+            timeout=120,
+            what=f"{mark:.0%} of rows settled",
+        )
+
+
+def combined(f: Faults) -> None:
+    """Every fault in one run: the SES fault mix throughout, and in turn operator cancels, a
+    SIGKILL, killed database connections, a SIGTERM drain, a database restart (when a restart
+    command is configured), a pause window, more cancels and another SIGKILL."""
+    f.ses.plan.set(**SES_FAULT_MIX)
+    f.at(0.05)
+    cancel_sample(f.engine, f.url, f.summary, f.rng, f.workdir)
+    f.at(0.15)
+    sigkill(f.engine, f.fleet, f.summary, f.rng)
+    f.at(0.25)
+    f.summary.in_flight_at_faults.append(in_flight(f.engine))
+    kill_db_connections(f.engine)
+    f.at(0.35)
+    sigterm(f.engine, f.fleet, f.summary, f.rng)
+    f.at(0.45)
+    if f.restart_command:
+        restart_database(f.engine, f.restart_command, f.summary, f.workdir)
+    else:
+        f.summary.notes.append("no database restart: no restart command configured")
+    f.at(0.55)
+    f.ses.plan.paused = True
+    time.sleep(PAUSE_WINDOW)
+    f.ses.plan.paused = False
+    f.at(0.6)
+    cancel_sample(f.engine, f.url, f.summary, f.rng, f.workdir)
+    f.at(0.7)
+    sigkill(f.engine, f.fleet, f.summary, f.rng)
+
+
+def inject(f: Faults, scenario: str) -> None:
     """The scenario's fault schedule, spread over the first ~80% of the run."""
+    engine, fleet, ses, summary, rng = f.engine, f.fleet, f.ses, f.summary, f.rng
     marks = sorted(rng.uniform(0.05, 0.7) for _ in range(rng.randint(3, 5)))
+    if scenario == "combined":
+        combined(f)
+        return
     if scenario == "ses_faults":
-        ses.plan.set(throttle=0.10, server_error=0.05, hang=0.02, reset=0.01)
-        wait_for(lambda: progress(engine, total) >= 0.3, timeout=120, what="30% settled")
+        ses.plan.set(**SES_FAULT_MIX)
+        f.at(0.3)
         ses.plan.paused = True
-        time.sleep(2.0)
+        time.sleep(PAUSE_WINDOW)
         ses.plan.paused = False
+        return
+    if scenario == "db_restart":
+        if not f.restart_command:
+            raise ValueError("the db_restart scenario needs a restart command")
+        for mark in (0.15, 0.4, 0.65):
+            f.at(mark)
+            restart_database(engine, f.restart_command, summary, f.workdir)
+        return
+    if scenario == "cancel":
+        for mark in (0.05, 0.3):
+            f.at(mark)
+            cancel_sample(engine, f.url, summary, rng, f.workdir)
         return
     if scenario == "slow_sender":
         marks = marks[:1]
     for mark in marks:
-        wait_for(
-            lambda m=mark: progress(engine, total) >= m,
-            timeout=120,
-            what=f"{mark:.0%} of rows settled",
-        )
+        f.at(mark)
         if scenario == "db_kill":
             summary.in_flight_at_faults.append(in_flight(engine))
             kill_db_connections(engine)
             continue
-        victim = rng.choice(registered(engine, fleet))
         if scenario == "sigkill":
-            victim.popen.send_signal(signal.SIGKILL)
-            victim.popen.wait(10)
-            # dead: its rows cannot move until their lease runs out (LEASE s), so this is exact
-            summary.in_flight_at_faults.append(in_flight(engine, victim.relay_id))
-            fleet.start()
-            summary.restarts += 1
+            sigkill(engine, fleet, summary, rng)
         elif scenario == "sigterm":
-            summary.in_flight_at_faults.append(in_flight(engine, victim.relay_id))
-            victim.popen.send_signal(signal.SIGTERM)
-            fleet.start()  # the replacement starts while the old one drains, as in a deploy
-            summary.restarts += 1
-            code = victim.wait(30)
-            if code != 0:
-                summary.problems.append(f"{victim.relay_id} exited {code} on SIGTERM")
+            sigterm(engine, fleet, summary, rng)
         elif scenario == "slow_sender":
+            victim = rng.choice(registered(engine, fleet))
             # stop it while it has a send in flight, hold it past its lease, let others sweep
             deadline = time.monotonic() + 30
             while True:
@@ -419,15 +735,48 @@ def hold_xmin(engine: sa.Engine) -> sa.Connection:
 # -- reconciliation ----------------------------------------------------------------------------
 
 
+def fake_sends(record: Path) -> list[SendRequest]:
+    """The fake sender's record as SES requests: every send accepted, under the provider id
+    ``fake-ID-ATTEMPT`` the sender answers (the attempt number is not recorded: ``*``)."""
+    return [
+        SendRequest(
+            at=0.0,
+            wall=0.0,
+            kind="pass",
+            outbox_id=id_,
+            category=None,
+            recipients=1,
+            subject=None,
+            request={},
+            status=200,
+            message_id=f"fake-{id_}-*",
+        )
+        for id_, times in sorted(read_deliveries(record).items())
+        for _ in range(times)
+    ]
+
+
+def send_rate(tries: dict[int, list[Any]]) -> float:
+    """Provider calls per second, from the first call's start to the last one's end, as the
+    relays recorded them in ``outbox_attempts`` (the same measure for any sender)."""
+    calls = [a for mine in tries.values() for a in mine if a.started_at is not None]
+    if len(calls) < 2:
+        return 0.0
+    first = min(a.started_at for a in calls)
+    last = max(a.finished_at for a in calls)
+    return len(calls) / max((last - first).total_seconds(), 1e-6)
+
+
 def reconcile(
     engine: sa.Engine,
     ses: FaultServer,
     categories: dict[int, str],
     summary: Summary,
     poisoned: set[int],
+    record: Path | None = None,
 ) -> None:
-    sends = ses.sends
-    accepted = ses.accepted_per_message()
+    sends = ses.sends if record is None else fake_sends(record)
+    accepted = Counter(s.outbox_id for s in sends if s.accepted and s.outbox_id is not None)
     provider_ids: defaultdict[int, set[str | None]] = defaultdict(set)
     for s in sends:
         if s.accepted and s.outbox_id is not None:
@@ -452,6 +801,8 @@ def reconcile(
         tries: defaultdict[int, list[Any]] = defaultdict(list)
         for a in conn.execute(sa.select(attempts).order_by(attempts.c.id)):
             tries[a.message_id].append(a)
+    if record is not None:
+        summary.throughput = send_rate(tries)
 
     def problem(id_: int, what: str) -> None:
         row = rows[id_]
@@ -476,7 +827,9 @@ def reconcile(
                 if got == 0:
                     summary.lost += 1
                     problem(id_, "marked sent, SES never accepted it")
-                elif row.provider_message_id not in provider_ids[id_]:
+                elif row.provider_message_id not in provider_ids[id_] and not (
+                    record is not None and str(row.provider_message_id).startswith(f"fake-{id_}-")
+                ):
                     problem(id_, f"provider id {row.provider_message_id} is not SES's")
             case "unknown_outcome":
                 summary.unknown += 1
@@ -505,7 +858,12 @@ def reconcile(
                     summary.cancelled += 1
                 else:
                     summary.expired += 1
-                if got:
+                # resend mail goes back to retrying after an ambiguous send, and a retrying row
+                # can be cancelled or expire: each unanswered send may have been delivered
+                unanswered = [a for a in tries[id_] if a.outcome in UNANSWERED]
+                if got and resend and got <= len(unanswered):
+                    summary.ended_after_unanswered += 1
+                elif got:
                     problem(id_, f"{row.status} but SES accepted it")
             case _:
                 summary.lost += 1
@@ -532,6 +890,8 @@ def reconcile(
             problem(id_, f"the stale finalize left no attempt: {outcomes}")
         else:
             summary.stale_finalized += 1
+    reconcile_cancels(rows, tries, summary, problem)
+    reconcile_restarts(tries, summary)
     faulted = {s.outbox_id for s in sends if s.kind in AMBIGUOUS_KINDS}
     summary.slow_answers = sum(
         1
@@ -546,15 +906,59 @@ def reconcile(
         )
 
 
+def reconcile_cancels(
+    rows: dict[int, Any],
+    tries: dict[int, list[Any]],
+    summary: Summary,
+    problem: Callable[[int, str], None],
+) -> None:
+    """What the CLI reported is what happened: a reported cancel is a ``cancelled`` row (never
+    received, checked with every cancelled row) with the operator's attempt; a refused or moved
+    one is not cancelled and has no such attempt; nothing else cancels a row."""
+    for id_, answer in summary.cancels.items():
+        row = rows[id_]
+        recorded = [a for a in tries[id_] if a.outcome == "canceled"]  # the CLI's spelling
+        if answer == "cancelled":
+            if row.status != "cancelled":
+                problem(id_, "the CLI reported it cancelled")
+            if not recorded or not recorded[0].relay_id.startswith("operator"):
+                problem(id_, f"cancelled with no operator attempt: {tries[id_]}")
+        elif answer.startswith(("refused", "moved")) and (row.status == "cancelled" or recorded):
+            problem(id_, f"cancelled, but the CLI reported it {answer}")
+    for id_, row in rows.items():
+        if row.status == "cancelled" and summary.cancels.get(id_) != "cancelled":
+            problem(id_, f"cancelled, but the CLI did not report it so: {summary.cancels.get(id_)}")
+
+
+def reconcile_restarts(tries: dict[int, list[Any]], summary: Summary) -> None:
+    """The sends in flight at each database restart: those in flight at the last read before
+    the server went down, and those whose recorded start falls after that read (less a margin,
+    for a start whose mark committed just after the read) and before the server dropped the
+    harness's connection (plus a margin: a server closes its connections one by one)."""
+    for window in summary.restart_windows:
+        since = window.last_read - RESTART_MARGIN_BEFORE
+        until = window.down + RESTART_MARGIN_AFTER
+        started = {
+            id_
+            for id_, mine in tries.items()
+            for a in mine
+            if a.started_at is not None and since < a.started_at.timestamp() <= until
+        }
+        summary.in_flight_at_faults.append(len(window.in_flight | started))
+
+
 # -- one run -----------------------------------------------------------------------------------
 
 
-def relay_args(scenario: str) -> tuple[str, ...]:
+def relay_args(sender: str) -> tuple[str, ...]:
+    """The relays' settings. With the fake sender (no latency) the relays are what is measured:
+    more sends at once, bigger claims, and no rate limit."""
+    if sender == "fake":
+        limits: tuple[str, ...] = ("--concurrency", "16", "--batch-size", "16")
+    else:
+        limits = ("--concurrency", "8", "--batch-size", "10", "--max-send-rate", "400")
     return (
-        "--concurrency",
-        "8",
-        "--batch-size",
-        "10",
+        *limits,
         "--lease-seconds",
         str(LEASE),
         "--send-timeout",
@@ -565,8 +969,6 @@ def relay_args(scenario: str) -> tuple[str, ...]:
         "0.2",
         "--pause-seconds",
         "0.5",
-        "--max-send-rate",
-        "400",
         "--log-level",
         "WARNING",
     )
@@ -582,14 +984,26 @@ def run(
     moto: MotoSes | None = None,
     seed: int = 10,
     settle_timeout: float = 180,
+    restart_command: str | None = None,
+    sender: str = "ses",
 ) -> Summary:
+    """One ledger run. ``restart_command`` restarts the database server (``db_restart`` needs
+    it; ``combined`` runs without a restart, and says so, when it is None). ``sender``:
+    ``ses`` (moto behind the fault server) or ``fake`` (no latency; no SES faults then)."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
+    if sender not in SENDERS:
+        raise ValueError(f"unknown sender {sender!r}: one of {', '.join(SENDERS)}")
+    if sender == "fake" and scenario in ("ses_faults", "combined"):
+        raise ValueError(f"the {scenario} scenario injects SES faults: it needs --sender ses")
+    if scenario == "db_restart" and not restart_command:
+        raise ValueError("the db_restart scenario needs a restart command")
     engine = make_engine(database_url)
     own_moto = moto is None
     moto = moto or MotoSes()
     rng = random.Random(seed)
-    summary = Summary(scenario, engine.dialect.name, count, replicas)
+    summary = Summary(scenario, engine.dialect.name, count, replicas, sender=sender)
+    record = workdir / "fake-sends.log" if sender == "fake" else None
     try:
         migrations.upgrade(engine)
         empty(engine)
@@ -603,12 +1017,15 @@ def run(
         held_back = hold_xmin(engine) if scenario == "xmin" else None
         # hangs outlive the client's read timeout (an ambiguous send)
         with FaultServer(moto.url, FaultPlan(seed=seed, hang_seconds=SEND_TIMEOUT + 1)) as ses:
-            fleet = Fleet(database_url, ses.url, workdir, relay_args(scenario))
+            fleet = Fleet(database_url, ses.url, workdir, relay_args(sender), record)
             started = time.monotonic()
             try:
                 for _ in range(replicas):
                     fleet.start()
-                inject(scenario, engine, fleet, ses, summary, rng, count)
+                faults = Faults(
+                    engine, database_url, fleet, ses, summary, rng, count, workdir, restart_command
+                )
+                inject(faults, scenario)
                 wait_for(
                     lambda: progress(engine, count) >= 1.0,
                     timeout=settle_timeout,
@@ -618,7 +1035,7 @@ def run(
                 fleet.stop_all(summary, engine)
             finally:
                 fleet.kill_all()
-            reconcile(engine, ses, categories, summary, poisoned)
+            reconcile(engine, ses, categories, summary, poisoned, record)
         if held_back is not None:
             if not held_back.in_transaction():
                 summary.problems.append("the xmin-holding transaction ended early")
@@ -645,6 +1062,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relays", type=int, default=3)
     parser.add_argument("--scenario", choices=SCENARIOS, default="sigkill")
     parser.add_argument("--seed", type=int, default=10)
+    parser.add_argument(
+        "--restart-command",
+        help="shell command that restarts the database server (db_restart, combined)",
+    )
+    parser.add_argument(
+        "--sender",
+        choices=SENDERS,
+        default="ses",
+        help="ses: moto behind the fault server; fake: no latency, the relays' own throughput",
+    )
     options = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ledger-") as workdir:
         summary = run(
@@ -655,6 +1082,8 @@ def main(argv: list[str] | None = None) -> int:
             workdir=Path(workdir),
             seed=options.seed,
             settle_timeout=max(180, options.messages / 10),
+            restart_command=options.restart_command,
+            sender=options.sender,
         )
     print(summary.line())
     for problem in summary.problems[:50]:
