@@ -705,17 +705,21 @@ class StaleLease:
 
 
 def sweep_candidates(conn: sa.Connection, *, now: datetime, limit: int = 500) -> list[StaleLease]:
-    """sweep_expired_leases (read) -- Processing rows whose lease expired before ``now``.
+    """sweep_expired_leases (read) -- Processing rows whose lease expired before ``now``,
+    locked for this sweep (``FOR UPDATE SKIP LOCKED``).
 
     The caller decides per row (released if the send never started, else per the ambiguity
     policy) and applies it with the row's own claim token and ``expired_before=now``, so a
     relay that renews its lease in between keeps its row, and racing sweeps are harmless.
+    A row another transaction holds (its relay finalizing it, or frozen mid-transaction) is
+    skipped, not waited for: a sweep that waited would stall its relay's whole loop.
     """
     rows = conn.execute(
         sa.select(*_CLAIM_COLUMNS, m.c.claimed_by, m.c.send_started_at)
         .where(m.c.status == Status.PROCESSING.value, m.c.lease_expires_at < now)
         .order_by(m.c.lease_expires_at)
         .limit(limit)
+        .with_for_update(skip_locked=True)
     ).all()
     return [
         StaleLease(

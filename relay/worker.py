@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import random
 import socket
@@ -625,7 +626,13 @@ class Relay:
         passes (no pool checkout, no liveness ping per transaction) and dropped after any
         error, so the next transaction starts on a fresh, pinged one."""
         if self._conn is None:
-            self._conn = self.engine.connect()
+            conn = self.engine.connect()
+            try:
+                _end_idle_transactions(conn, self.config.lease_seconds)
+            except BaseException:
+                conn.invalidate()
+                raise
+            self._conn = conn
         try:
             with self._conn.begin():
                 yield self._conn
@@ -634,8 +641,12 @@ class Relay:
             raise
 
     def _drop_connection(self) -> None:
+        """Close the loop's connection for good (it carries a session setting of its own, so
+        it does not go back to the pool)."""
         conn, self._conn = self._conn, None
         if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
             with contextlib.suppress(Exception):
                 conn.close()
 
@@ -699,6 +710,21 @@ class Relay:
             duration=duration,
             outcome=outcome,
         )
+
+
+def _end_idle_transactions(conn: sa.Connection, seconds: float) -> None:
+    """Have the server end this session's transaction if it sits idle for ``seconds`` (the
+    lease). A relay frozen inside a transaction (a stopped process, a paused VM) would
+    otherwise keep its rows locked, and out of every other relay's sweep, until it woke.
+    PostgreSQL: ``idle_in_transaction_session_timeout``; MariaDB: ``idle_transaction_timeout``
+    (MySQL has no such setting). The relay's own transactions last milliseconds."""
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            f"SET idle_in_transaction_session_timeout = {max(1, int(seconds * 1000))}"
+        )
+    elif getattr(conn.dialect, "is_mariadb", False):
+        conn.exec_driver_sql(f"SET SESSION idle_transaction_timeout = {max(1, math.ceil(seconds))}")
+    conn.commit()
 
 
 def _outcome_name(outcome: Outcome | None) -> str:

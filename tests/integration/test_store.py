@@ -297,6 +297,32 @@ def test_an_open_claim_does_not_block_another_relays_finalize(server_backend, ra
     assert row(server_backend.engine, stale.id).status == Status.UNKNOWN_OUTCOME
 
 
+def test_a_sweep_skips_a_row_another_transaction_holds_instead_of_waiting(
+    server_backend, racing_engine
+):
+    """A relay frozen inside its transaction (SIGSTOP, a paused VM) holds its rows' locks; the
+    others' sweeps must go past those rows, not wait on them (lock waits fail after 5 s here),
+    and settle them once the lock is gone."""
+    enqueue(server_backend.engine, 2)
+    held, free = claim(server_backend.engine, T0, relay_id="relay-frozen")
+    mark(server_backend.engine, [held, free], at(1))
+    now = at(LEASE + 2)
+    with racing_engine.connect() as frozen, racing_engine.connect() as sweeper:
+        with frozen.begin():
+            # the frozen relay was finalizing ``held`` when it stopped: row locked, uncommitted
+            frozen.execute(
+                sa.update(messages).where(messages.c.id == held.id).values(updated_at=at(2))
+            )
+            with sweeper.begin():
+                swept = store.sweep_expired_leases(sweeper, now=now, relay_id="relay-b")
+            assert [lease.claim.id for lease, _decision in swept] == [free.id]
+        with sweeper.begin():  # the lock is gone (the server ended the transaction)
+            swept = store.sweep_expired_leases(sweeper, now=now, relay_id="relay-b")
+        assert [lease.claim.id for lease, _decision in swept] == [held.id]
+    assert row(server_backend.engine, held.id).status == Status.UNKNOWN_OUTCOME
+    assert row(server_backend.engine, free.id).status == Status.UNKNOWN_OUTCOME
+
+
 def test_a_draining_relay_does_not_block_another_relays_rows(server_backend, racing_engine):
     enqueue(server_backend.engine, 4)
     mine = claim(server_backend.engine, T0, limit=2, relay_id="relay-a")

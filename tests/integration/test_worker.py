@@ -417,3 +417,23 @@ def test_pause_releases_without_attempts_and_resumes_by_itself(backend):
     assert [row(backend.engine, i).attempt_count for i in ids] == [1] * len(ids)
     assert [row(backend.engine, i).provider_message_id for i in ids] == [f"ses-{i}" for i in ids]
     assert len(sender.calls) == len(probes) + len(ids)
+
+
+def test_the_server_ends_a_transaction_the_relay_left_idle_past_its_lease(server_backend):
+    """The relay's loop connection asks the server to end any transaction of its left idle
+    longer than the lease: a relay frozen mid-transaction (SIGSTOP, a paused VM) must not hold
+    its rows' locks until it wakes. Shown here with a 1-second lease on the same setting."""
+    relay = relay_for(server_backend, FakeSender(), lease_seconds=1.0, send_timeout=0.4)
+    with relay._transaction() as conn:  # the loop's own connection, as a pass gets it
+        conn.execute(sa.select(messages.c.id).limit(1)).all()
+    frozen = relay._conn
+    assert frozen is not None
+    frozen.begin()
+    frozen.execute(sa.select(messages.c.id).limit(1)).all()
+    time.sleep(2.5)  # "frozen" inside the transaction, past the lease
+    with pytest.raises(sa.exc.DBAPIError):
+        frozen.execute(sa.select(messages.c.id).limit(1)).all()
+    relay._drop_connection()
+    with relay._transaction() as conn:  # the next pass starts on a fresh connection
+        assert conn.execute(sa.select(sa.literal(1))).scalar() == 1
+    relay._drop_connection()
