@@ -711,10 +711,16 @@ def test_relay_pauses_on_bad_credentials_and_resumes(backend, start_server, make
     runner.start()
     try:
         wait_for(lambda: relay.paused)
+
+        def recorded_codes() -> list[str]:
+            with backend.engine.connect() as conn:
+                return list(conn.execute(sa.select(attempts.c.error_code).distinct()).scalars())
+
+        # the relay pauses as soon as it sees the answer; the attempt rows follow at its next save
+        wait_for(recorded_codes)
+        assert recorded_codes() == ["smtp_auth_failed"]
         with backend.engine.connect() as conn:
             assert conn.execute(sa.select(sa.func.max(messages.c.attempt_count))).scalar() == 0
-            codes = conn.execute(sa.select(attempts.c.error_code).distinct()).scalars().all()
-        assert codes == ["smtp_auth_failed"]
         assert server.handler.received == []
         accept.set()
     finally:
