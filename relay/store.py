@@ -5,8 +5,10 @@ The rules that keep the relay safe live here:
 * Every transition is **one conditional UPDATE** whose WHERE names the state it expects, and
   for a claimed row its id and ``claim_token``. Zero rows affected means another relay (or the
   sweep) moved the row first; the caller logs it and moves on. Nothing is load-mutate-saved.
-* No function holds a transaction across a provider call: the caller opens a short
-  transaction (``engine.begin()``) around each function, never around a send.
+* No function holds a transaction across a provider call: the caller runs them in short
+  transactions (the relay loop, one per busy pass), never around a send.
+* Sweeps and the expiry scan skip rows another transaction holds (``SKIP LOCKED``): a relay
+  never waits on another relay's locks.
 * MySQL/MariaDB report *matched* rows (``CLIENT_FOUND_ROWS``), so a guarded UPDATE's rowcount
   is reliable there too; MariaDB has no ``UPDATE ... RETURNING``, so the claim reads its rows
   back by claim token.
