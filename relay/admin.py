@@ -311,9 +311,12 @@ def _change(
     reason: str | None,
     *,
     verb: str,
+    done_as: str,
     allowed: Sequence[str],
     apply: Callable[..., bool],
 ) -> None:
+    """Apply ``apply`` to the chosen messages; ``done_as`` is the past tense that the output
+    and the operator's attempt rows use (the status's own spelling: ``cancelled``)."""
     if ids and any(filters.values()):
         raise click.UsageError("give message ids or filters, not both")
     if not ids and not any(filters.values()):
@@ -334,7 +337,7 @@ def _change(
                     relay_id=_operator(),
                     started_at=None,
                     finished_at=now,
-                    outcome=f"{verb}d" if verb.endswith("e") else f"{verb}ed",
+                    outcome=done_as,
                     error_message=reason,
                 )
                 for i in done
@@ -342,11 +345,7 @@ def _change(
         )
     skipped = len(chosen) - len(done)
     tail = f" ({skipped} moved meanwhile and were left alone)" if skipped else ""
-    click.echo(
-        f"{verb}d {len(done)} message(s){tail}"
-        if verb.endswith("e")
-        else f"{verb}ed {len(done)} message(s){tail}"
-    )
+    click.echo(f"{done_as} {len(done)} message(s){tail}")
 
 
 @click.command()
@@ -367,6 +366,7 @@ def requeue(
     _change(
         database_url, ids, filters, yes, reason,
         verb="requeue",
+        done_as="requeued",
         allowed=(Status.UNKNOWN_OUTCOME.value, Status.FAILED.value),
         apply=store.requeue,
     )  # fmt: skip
@@ -386,6 +386,7 @@ def cancel(
     _change(
         database_url, ids, filters, yes, reason,
         verb="cancel",
+        done_as="cancelled",
         allowed=(Status.PENDING.value, Status.RETRYING.value),
         apply=store.cancel,
     )  # fmt: skip

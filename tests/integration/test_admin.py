@@ -229,8 +229,12 @@ def test_bulk_requeue_needs_yes(backend, backlog):
 def test_cancel(backend, backlog):
     engine = backend.engine
     assert cli(backend, "cancel", str(backlog[6])).exit_code == 1  # sent
-    assert cli(backend, "cancel", str(backlog[0]), "--reason", "customer left").exit_code == 0
+    done = cli(backend, "cancel", str(backlog[0]), "--reason", "customer left")
+    assert done.exit_code == 0
+    assert done.output.strip() == "cancelled 1 message(s)"  # spelled as the status
     assert status_of(engine, backlog[0]) == "cancelled"
+    history = json.loads(cli(backend, "show", str(backlog[0]), "--json").output)["attempts"]
+    assert (history[-1]["outcome"], history[-1]["error_message"]) == ("cancelled", "customer left")
     assert cli(backend, "cancel", "--key", "k:*").exit_code == 2  # bulk without --yes
     assert cli(backend, "cancel", "--key", "k:*", "--yes").exit_code == 0
     assert status_of(engine, backlog[1]) == "cancelled"

@@ -554,10 +554,9 @@ def cancel_sample(
             stdin=subprocess.DEVNULL,
         )
         said = (done.stdout + done.stderr).strip()
-        # the CLI spells its verb "canceled"; the status is "cancelled"
-        if done.returncode == 0 and said == "canceled 1 message(s)":
+        if done.returncode == 0 and said == "cancelled 1 message(s)":
             return id_, "cancelled"
-        if done.returncode == 0 and said.startswith("canceled 0 message(s) (1 moved meanwhile"):
+        if done.returncode == 0 and said.startswith("cancelled 0 message(s) (1 moved meanwhile"):
             return id_, "moved"
         if done.returncode == 1 and f"cannot cancel {id_} (" in said:
             return id_, "refused: " + said.split(f"cannot cancel {id_} (", 1)[1].split(")")[0]
@@ -917,7 +916,7 @@ def reconcile_cancels(
     one is not cancelled and has no such attempt; nothing else cancels a row."""
     for id_, answer in summary.cancels.items():
         row = rows[id_]
-        recorded = [a for a in tries[id_] if a.outcome == "canceled"]  # the CLI's spelling
+        recorded = [a for a in tries[id_] if a.outcome == "cancelled"]
         if answer == "cancelled":
             if row.status != "cancelled":
                 problem(id_, "the CLI reported it cancelled")
