@@ -706,7 +706,9 @@ class StaleLease:
     send_started_at: datetime | None
 
 
-def sweep_candidates(conn: sa.Connection, *, now: datetime, limit: int = 500) -> list[StaleLease]:
+def sweep_candidates(
+    conn: sa.Connection, *, now: datetime, limit: int = 500, lock: bool = True
+) -> list[StaleLease]:
     """sweep_expired_leases (read) -- Processing rows whose lease expired before ``now``,
     locked for this sweep (``FOR UPDATE SKIP LOCKED``).
 
@@ -715,14 +717,18 @@ def sweep_candidates(conn: sa.Connection, *, now: datetime, limit: int = 500) ->
     relay that renews its lease in between keeps its row, and racing sweeps are harmless.
     A row another transaction holds (its relay finalizing it, or frozen mid-transaction) is
     skipped, not waited for: a sweep that waited would stall its relay's whole loop.
+
+    The guarded writes alone keep a sweep correct when its read is stale: ``lock=False``
+    reads without locking (no waiting, no skipping), which lets tests race holders against a
+    sweep between its read and its write.
     """
-    rows = conn.execute(
+    stmt = (
         sa.select(*_CLAIM_COLUMNS, m.c.claimed_by, m.c.send_started_at)
         .where(m.c.status == Status.PROCESSING.value, m.c.lease_expires_at < now)
         .order_by(m.c.lease_expires_at)
         .limit(limit)
-        .with_for_update(skip_locked=True)
-    ).all()
+    )
+    rows = conn.execute(stmt.with_for_update(skip_locked=True) if lock else stmt).all()
     return [
         StaleLease(
             claim=_claim(row, row.claim_token, None),
