@@ -98,6 +98,31 @@ class RelayProc:
             ) from None
 
 
+def spawn(
+    url: str, sender: str, relay_id: str, log: Path, env: dict[str, str], *args: str
+) -> RelayProc:
+    """Start ``outbox-relay run`` with its output in ``log``."""
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            [
+                RELAY,
+                "run",
+                "--database-url",
+                url,
+                "--sender",
+                sender,
+                "--relay-id",
+                relay_id,
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+    return RelayProc(popen, relay_id, log)
+
+
 @dataclass
 class Relays:
     """Starts relay processes and kills whatever is still running when the test ends."""
@@ -114,25 +139,7 @@ class Relays:
             OUTBOX_FAKE_RECORD_FILE=str(self.record),
             OUTBOX_FAKE_LATENCY=str(latency),
         )
-        with log.open("wb") as out:
-            popen = subprocess.Popen(
-                [
-                    RELAY,
-                    "run",
-                    "--database-url",
-                    self.url,
-                    "--sender",
-                    FAKE_SENDER,
-                    "--relay-id",
-                    relay_id,
-                    *args,
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-        proc = RelayProc(popen, relay_id, log)
+        proc = spawn(self.url, FAKE_SENDER, relay_id, log, env, *args)
         self.started.append(proc)
         return proc
 

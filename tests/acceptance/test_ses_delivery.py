@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import signal
-import subprocess
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -28,12 +27,12 @@ from outbox.message import Attachment
 from outbox.schema import messages
 from relay import store
 from tests.acceptance.relayproc import (
-    RELAY,
     RelayProc,
     attempt_rows,
     clean_env,
     message_rows,
     relay_rows,
+    spawn,
     statuses,
     wait_for,
 )
@@ -85,16 +84,7 @@ class SesRelays:
         log = self.workdir / f"{relay_id}.log"
         env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
         env.update(aws_env(self.endpoint))
-        command = [RELAY, "run", "--database-url", self.url, "--sender", "ses"]
-        with log.open("wb") as out:
-            popen = subprocess.Popen(
-                [*command, "--relay-id", relay_id, *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-        proc = RelayProc(popen, relay_id, log)
+        proc = spawn(self.url, "ses", relay_id, log, env, *args)
         self.started.append(proc)
         return proc
 

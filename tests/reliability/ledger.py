@@ -69,7 +69,7 @@ from outbox import Category, Email, Outbox, migrations
 from outbox.schema import attempts, messages, relays
 from relay.db import make_engine
 from relay.testing import read_deliveries
-from tests.acceptance.relayproc import FAKE_SENDER, RELAY, RelayProc, clean_env
+from tests.acceptance.relayproc import FAKE_SENDER, RELAY, RelayProc, clean_env, spawn
 from tests.ses_emulator import FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
@@ -270,16 +270,7 @@ class Fleet:
         if self.record is not None:
             env.update(OUTBOX_FAKE_RECORD_FILE=str(self.record), OUTBOX_FAKE_LATENCY="0")
             sender = FAKE_SENDER
-        command = [RELAY, "run", "--database-url", self.url, "--sender", sender]
-        with log.open("wb") as out:
-            popen = subprocess.Popen(
-                [*command, "--relay-id", relay_id, *self.args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-        proc = RelayProc(popen, relay_id, log)
+        proc = spawn(self.url, sender, relay_id, log, env, *self.args)
         self.started.append(proc)
         return proc
 
