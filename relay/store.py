@@ -434,6 +434,20 @@ _FINALIZE_SENT_BATCH = (
     )
     .returning(m.c.id)
 )
+_FINALIZE_SENT_EACH = (
+    sa.update(m)
+    .where(
+        m.c.id == sa.bindparam("b_id"),
+        m.c.claim_token == sa.bindparam("b_token"),
+        m.c.status == Status.PROCESSING.value,
+    )
+    .values(
+        **_attempted(_BATCH_NOW, None, None),
+        status=Status.SENT.value,
+        sent_at=_BATCH_NOW,
+        provider_message_id=sa.bindparam("b_provider_id"),
+    )
+)
 
 
 def finalize_sent_many(
@@ -446,27 +460,12 @@ def finalize_sent_many(
     plan, whatever the batch size); elsewhere it is one executemany of the guarded UPDATE."""
     if not items:
         return set()
-    values = {
-        **_attempted(now, None, None),
-        "status": Status.SENT.value,
-        "sent_at": now,
-    }
-    processing = m.c.status == Status.PROCESSING.value
     if conn.dialect.name == "postgresql":
         ids, tokens, provider_ids = (list(column) for column in zip(*items, strict=True))
         params = {"b_ids": ids, "b_tokens": tokens, "b_provider_ids": provider_ids, "b_now": now}
         return set(conn.execute(_FINALIZE_SENT_BATCH, params).scalars())
-    each = (
-        sa.update(m)
-        .where(
-            m.c.id == sa.bindparam("b_id"),
-            m.c.claim_token == sa.bindparam("b_token"),
-            processing,
-        )
-        .values(**values, provider_message_id=sa.bindparam("b_provider_id"))
-    )
-    rows = [{"b_id": i, "b_token": t, "b_provider_id": p} for i, t, p in items]
-    if conn.execute(each, rows).rowcount == len(items):
+    rows = [{"b_id": i, "b_token": t, "b_provider_id": p, "b_now": now} for i, t, p in items]
+    if conn.execute(_FINALIZE_SENT_EACH, rows).rowcount == len(items):
         return {i for i, _t, _p in items}
     # Some guard failed (a stale claim): find which rows this statement moved.
     wanted = {i: p for i, _t, p in items}
