@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from outbox.schema import Status, utcnow
 from relay import store
 from relay.cli_options import database_url, open_engine, option
+from relay.clock import read_database_time
 
 __all__ = ["COMMANDS", "parse_duration"]
 
@@ -326,7 +327,7 @@ def _change(
         chosen = _select(conn, ids, flt, allowed, verb)
         if not ids and not yes:
             raise click.UsageError(f"{len(chosen)} messages match; add --yes to {verb} them all")
-        now = utcnow()
+        now = read_database_time(conn)  # requeued rows are due by the relays' clock
         done = [i for i in chosen if apply(conn, message_id=i, now=now)]
         store.record_attempts(
             conn,
@@ -428,9 +429,10 @@ def prune(
     unknown_outcome messages are never pruned. Deletes in batches of --batch-size, each its own
     short transaction.
     """
-    cutoff = utcnow() - max(older_than, dedup_window)
     total = 0
     with _database(database_url) as engine:
+        with engine.connect() as conn:
+            cutoff = read_database_time(conn) - max(older_than, dedup_window)
         if dry_run:
             with engine.connect() as conn:
                 total = store.count_messages(

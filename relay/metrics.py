@@ -12,7 +12,8 @@ name                                type      labels               what
 ``outbox_messages_total``           counter   outcome, category    transitions this relay made:
                                                                    sent, retry_scheduled, failed,
                                                                    unknown_outcome, released,
-                                                                   expired, stale_finalize
+                                                                   expired, stale_finalize,
+                                                                   save_failed
 ``outbox_claims_total``             counter   category             messages claimed under a lease
 ``outbox_claim_duration_seconds``   histogram                      claim transactions (checkout,
                                                                    claim statements, commit),
@@ -73,6 +74,7 @@ _OUTCOME_SIGNALS: dict[str, NamedSignal] = {
     "released": signals.released,
     "expired": signals.expired,
     "stale_finalize": signals.stale_finalize,
+    "save_failed": signals.save_failed,
 }
 _LAG_QUERY = sa.text("SELECT category, due_count, lag_seconds FROM outbox_lag")
 

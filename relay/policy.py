@@ -88,8 +88,16 @@ def decide(
     """The decision for ``outcome`` of attempt number ``state.attempt_count + 1``."""
     attempt = state.attempt_count + 1
     match outcome:
-        case Accepted(provider_message_id=provider_id):
+        case Accepted(provider_message_id=provider_id, refused=()):
             return Decision(action=Action.SENT, provider_message_id=provider_id)
+        case Accepted(provider_message_id=provider_id, refused=refused):
+            # sent to the others; the refused recipients are named in the attempt row
+            return Decision(
+                action=Action.SENT,
+                provider_message_id=provider_id,
+                code="recipients_refused",
+                message=f"{len(refused)} refused for good: " + "; ".join(refused),
+            )
         case Disabled(code=code, message=message):
             return Decision(action=Action.RELEASE, code=code, message=message)
         case LeaseExpired(send_started=False):

@@ -23,6 +23,7 @@ __all__ = [
     "failed",
     "released",
     "retry_scheduled",
+    "save_failed",
     "sent",
     "stale_finalize",
     "unknown_outcome",
@@ -44,6 +45,11 @@ unknown_outcome = _signals.signal(
 )
 released = _signals.signal("relay.released", doc="A claim was given back, no attempt counted.")
 expired = _signals.signal("relay.expired", doc="A message passed its expires_at unsent.")
+save_failed = _signals.signal(
+    "relay.save_failed",
+    doc="A finished send could not be saved (its row was deleted or changed under it): set "
+    "aside and logged with its outcome and ``provider_message_id``; the relay goes on.",
+)
 stale_finalize = _signals.signal(
     "relay.stale_finalize", doc="A finalize found its claim gone; the attempt was recorded."
 )

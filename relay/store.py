@@ -82,7 +82,9 @@ _CLAIM_COLUMNS = (
     m.c.category,
     m.c.priority,
     m.c.status,
-    m.c.payload,
+    # read as the stored text (PostgreSQL's driver still decodes json): a row edited into
+    # garbage must fail as invalid_payload in the relay, not break the claim that reads it
+    sa.type_coerce(m.c.payload, sa.Text).label("payload"),
     m.c.recipient_count,
     m.c.claim_token,
     m.c.attempt_count,
@@ -542,9 +544,11 @@ def release(
     code: str | None = None,
     message: str | None = None,
     expired_before: datetime | None = None,
+    next_attempt_at: datetime | None = None,
 ) -> bool:
     """release -- processing -> its previous status (pending if never attempted, else
-    retrying), with no attempt counted and ``next_attempt_at`` unchanged.
+    retrying), with no attempt counted and ``next_attempt_at`` unchanged, or moved to the
+    given time (a message of a paused scope steps back in line until its probe).
 
     A sweep (``expired_before`` given) releases only a row whose send has not started: its
     read may be stale, and a late holder may have stamped ``send_started_at`` since. Then
@@ -559,6 +563,8 @@ def release(
     if code is not None:
         values["last_error_code"] = code
         values["last_error_message"] = message
+    if next_attempt_at is not None:
+        values["next_attempt_at"] = next_attempt_at
     if expired_before is None:
         return _transition(conn, message_id, claim_token, values, None)
     unstarted = m.c.send_started_at.is_(None)
@@ -566,12 +572,19 @@ def release(
 
 
 def release_unstarted(
-    conn: sa.Connection, *, ids: Sequence[int], claim_token: str, now: datetime
+    conn: sa.Connection,
+    *,
+    ids: Sequence[int],
+    claim_token: str,
+    now: datetime,
+    next_attempt_at: datetime | None = None,
 ) -> int:
-    """release_unstarted -- Give back rows of a claim whose send never started (drain), in one
-    statement; returns how many went back."""
+    """release_unstarted -- Give back rows of a claim whose send never started (drain, a
+    pause), in one statement; returns how many went back. ``next_attempt_at`` moves them back
+    in line (a paused scope's messages wait for its probe)."""
     if not ids:
         return 0
+    later = {} if next_attempt_at is None else {"next_attempt_at": next_attempt_at}
     stmt = (
         sa.update(m)
         .where(
@@ -580,7 +593,7 @@ def release_unstarted(
             m.c.status == Status.PROCESSING.value,
             m.c.send_started_at.is_(None),
         )
-        .values(**_NO_CLAIM, status=_PREVIOUS_STATUS, updated_at=now)
+        .values(**_NO_CLAIM, **later, status=_PREVIOUS_STATUS, updated_at=now)
     )
     return int(conn.execute(stmt).rowcount)
 
@@ -689,6 +702,7 @@ def apply_decision(
                 message=text,
                 now=now,
                 expired_before=expired_before,
+                next_attempt_at=decision.next_attempt_at,
             )
     raise AssertionError(decision.action)
 

@@ -1,15 +1,22 @@
 """The relay loop: save finished sends, claim and mark what can be sent now, send on threads.
 
 The loop is thin on purpose. Decisions come from :mod:`relay.policy`, SQL from
-:mod:`relay.store`; this module only orders them, and never holds a database transaction
-while a send is in flight. A busy pass costs one transaction (finished sends saved, the next
-batch claimed and its wave marked) on a connection the loop keeps; sweeps run once a second.
+:mod:`relay.store`, pauses from :mod:`relay.pause`, shared time from :mod:`relay.clock`; this
+module only orders them, and never holds a database transaction while a send is in flight. A
+busy pass costs one transaction (finished sends saved, the next batch claimed and its wave
+marked) on a connection the loop keeps; sweeps run once a second, always after the pass has
+saved what finished, so a relay never sweeps its own finished sends.
+
+Time: everything compared across relays (leases, the sweep's cut-off, heartbeats) is on the
+database's clock; intervals inside the process (the send deadline, sweep and heartbeat
+intervals, pauses) are on the monotonic clock. A relay host's wall clock is never used.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -26,12 +33,13 @@ from typing import Any
 import sqlalchemy as sa
 from blinker import NamedSignal
 
-from outbox.exceptions import InvalidEmail
+from outbox.exceptions import ConfigurationError, InvalidEmail
 from outbox.message import Email
-from outbox.schema import utcnow
 from relay import signals, store
+from relay.clock import DatabaseClock
 from relay.config import RelayConfig
 from relay.db import READ_COMMITTED
+from relay.pause import ACCOUNT, Admission, Pauses, Scope, ScopeKind
 from relay.policy import Action, Decision, decide
 from relay.ratelimit import RateController, SlidingWindowLimiter
 from relay.senders import (
@@ -51,8 +59,9 @@ log = logging.getLogger("relay")
 
 LIVE_REFRESH = 1.0  # seconds between counts of live relays when a send rate is set
 EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
-SWEEP_INTERVAL = 1.0  # seconds (on the relay clock) between sweeps for expired leases
+SWEEP_INTERVAL = 1.0  # seconds between sweeps for expired leases
 AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
+SENDER_ERRORS_TO_PAUSE = 3  # consecutive sends the sender raised on: pause, do not burn the queue
 
 _OUTCOME_NAMES: dict[type, str] = {
     Accepted: "accepted",
@@ -82,6 +91,18 @@ class _InFlight:
     claim: store.Claim
     started_at: datetime
     future: Future[tuple[Outcome, float]]  # the outcome, and the provider call's seconds
+    deadline: float  # monotonic: past it the lease is no longer renewed (--send-timeout)
+    probe: Scope | None = None  # the paused scope this send probes
+    overdue: bool = False  # past its deadline, logged once
+
+
+@dataclass(kw_only=True, slots=True)
+class _Ready:
+    """A claimed message whose send has not started."""
+
+    claim: store.Claim
+    email: Email
+    probe: Scope | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +115,28 @@ class _Done:
     duration: float | None = None  # seconds the provider call took; None: no call
 
 
+def _is_outage(exc: sa.exc.DBAPIError) -> bool:
+    """A database error that says nothing about the statement (the server is gone, the
+    connection broke, a deadlock or a lock wait ended the transaction): try it all again.
+    Anything else (an integrity or data error) is this statement's own fault."""
+    return exc.connection_invalidated or isinstance(
+        exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.InternalError
+    )
+
+
+def _scopes(email: Email) -> tuple[Scope, ...]:
+    """The pausable scopes a message belongs to: the account, its configuration set (empty:
+    the sender's default), its From address and domain."""
+    address = email.sender.rsplit("<", 1)[-1].rstrip(">").strip().lower()
+    domain = address.rpartition("@")[2]
+    return (
+        ACCOUNT,
+        Scope(ScopeKind.CONFIGURATION_SET, email.configuration_set or ""),
+        Scope(ScopeKind.IDENTITY, address),
+        Scope(ScopeKind.IDENTITY, domain),
+    )
+
+
 class Relay:
     """One relay process's loop. ``run()`` returns when stopped (drained) or, with
     ``exit_when_idle``, when nothing is due and nothing is in flight."""
@@ -104,32 +147,36 @@ class Relay:
         engine: sa.Engine,
         sender: Sender,
         config: RelayConfig,
-        clock: Callable[[], datetime] = utcnow,
+        clock: Callable[[], datetime] | None = None,
     ) -> None:
+        """``clock`` replaces the database's clock (tests that move time by hand)."""
         self.engine = engine
         self.sender = sender
         self.config = config
-        self.clock = clock
+        self._db_clock = DatabaseClock() if clock is None else None
+        self.clock: Callable[[], datetime] = clock if clock is not None else self._db_clock  # type: ignore[assignment]
         self.relay_id = config.relay_id
         self.limiter = SlidingWindowLimiter(None)
         self.rate = RateController(self.limiter, self._total_rate())
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="outbox-send")
-        self._in_flight: dict[int, _InFlight] = {}
-        self._ready: list[tuple[store.Claim, Email]] = []  # claimed, not yet started
+        # keyed by (id, claim token): a swept and reclaimed row can be in flight twice
+        self._in_flight: dict[tuple[int, str], _InFlight] = {}
+        self._ready: list[_Ready] = []  # claimed, not yet started
         self._unsaved: list[_Done] = []  # finished sends whose finalize has not committed yet
         self._last_heartbeat = 0.0
         self._last_live_count = 0.0
         self._sends_from = 0.0
-        self._paused_until: float | None = None  # monotonic; None when not paused
-        self._probing = False
+        self.pauses = Pauses(config.pause_seconds)
+        self._sender_errors = 0  # consecutive sends the sender raised on
         self._last_expire = 0.0
-        self._last_sweep: datetime | None = None  # relay clock
+        self._last_sweep = -math.inf  # monotonic
+        self._sweep_from = 0.0  # monotonic: no sweep before (after a database outage)
         self._conn: sa.Connection | None = None  # the loop's own, kept between passes
         self._db_failures = 0
+        self.set_aside = 0  # finished sends that could not be saved (see _save_alone)
         self.state = "running"
-        self.pause_code: str | None = None  # the provider's code while paused
         self.loop_at: float | None = None  # monotonic time of the loop's last pass, in run()
 
     # -- control ---------------------------------------------------------------------------
@@ -149,8 +196,14 @@ class Relay:
 
     @property
     def paused(self) -> bool:
-        """True while sending is paused (account paused, bad credentials, daily quota)."""
-        return self._paused_until is not None
+        """True while all sending is paused (account paused, bad credentials, daily quota);
+        a paused configuration set or identity holds only its own messages."""
+        return self.pauses.account_paused
+
+    @property
+    def pause_code(self) -> str | None:
+        """The provider's code while all sending is paused."""
+        return self.pauses.code(ACCOUNT)
 
     def _total_rate(self) -> float | None:
         setting = self.config.max_send_rate
@@ -169,7 +222,12 @@ class Relay:
         return float(rate)
 
     def run(self) -> None:
-        """Run until stopped or, with ``exit_when_idle``, until there is nothing left to do."""
+        """Run until stopped or, with ``exit_when_idle``, until there is nothing left to do.
+
+        Raises :class:`~outbox.exceptions.ConfigurationError` before sending anything if the
+        database has no outbox tables."""
+        while self._with_db(self._check_schema) is None and not self._stopping.is_set():
+            self._stopping.wait(self._db_backoff())
         self._with_db(self._register)
         try:
             while not self._stopping.is_set():
@@ -193,15 +251,36 @@ class Relay:
     # -- one tick --------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One pass of the loop; True if it did any work (so the next pass follows at once)."""
+        """One pass of the loop; True if it did any work (so the next pass follows at once).
+
+        The order matters: finished sends are saved (and leases renewed) before any sweep, so
+        after a database outage longer than the lease a relay settles its own sends instead
+        of sweeping them as abandoned."""
+        self._sync_clock()
         now = self.clock()
         self.rate.tick()
-        self._heartbeat(now)
         self._collect(now)
         self._extend_leases(now)
-        busy = self._sweep(now)
+        busy = self._exchange(now)
+        self._heartbeat(now)
+        busy = self._sweep(now) or busy
         self._expire(now)
-        return self._exchange(now) or busy
+        return busy
+
+    def _sync_clock(self) -> None:
+        """Read the database's clock again when the last reading is old."""
+        if self._db_clock is not None and self._db_clock.stale():
+            with self._transaction() as conn:
+                self._db_clock.sample(conn)
+
+    def _check_schema(self) -> None:
+        with self._transaction() as conn:
+            if not sa.inspect(conn).has_table(store.m.name):
+                raise ConfigurationError(
+                    "--database-url",
+                    f"the database has no outbox tables ({store.m.name} is missing); "
+                    "run `outbox-relay migrate` first",
+                )
 
     def _exchange(self, now: datetime) -> bool:
         """Save finished sends, claim what can be sent now, mark the wave the rate limit
@@ -216,8 +295,9 @@ class Relay:
         batch = list(self._unsaved)
         claims: list[store.Claim] = []
         expired: list[store.Expired] = []
-        wave: list[tuple[store.Claim, Email, list[float]]] = []
+        wave: list[tuple[_Ready, list[float]]] = []
         marked: set[tuple[int, str]] = set()  # (id, claim token): an id may be in _ready twice
+        ready_before = len(self._ready)
         began = time.monotonic()
         try:
             with self._transaction() as conn:
@@ -231,11 +311,20 @@ class Relay:
                         now=now,
                         lease_seconds=self.config.lease_seconds,
                     )
-                    self._accept(claims, now)
+                    self._accept(conn, claims, now, probe)
                 wave = self._admit()
-                for token, ids in _by_token(c for c, _, _ in wave).items():
+                for token, ids in _by_token(r.claim for r, _ in wave).items():
                     stamped = store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
                     marked.update((id_, token) for id_ in stamped)
+        except sa.exc.DBAPIError as exc:
+            del self._ready[ready_before:]  # the claim rolled back with the rest
+            self._unsaved[len(batch) :] = []
+            if _is_outage(exc) or not batch:
+                raise
+            # One finished send cannot be saved (its row deleted or changed under it): save
+            # each alone, so that one never holds back the others or the next claims.
+            self._save_alone(batch, now)
+            return True
         finally:
             if limit > 0:
                 signals.claim_completed.send(
@@ -250,13 +339,47 @@ class Relay:
         self._announce_expired(expired)
         if claims:
             log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
-        if probe:
-            if self._ready or wave:
-                self._probing = True  # one message tells whether sending works again
-            else:  # nothing to probe with: look again after another pause period
-                self._paused_until = time.monotonic() + self.config.pause_seconds
+        if probe and not claims and not self._ready and not wave:
+            self.pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
         self._start(wave, marked, now)
         return bool(batch or claims or expired or wave)
+
+    def _save_alone(self, batch: list[_Done], now: datetime) -> None:
+        """Save each finished send of ``batch`` in its own transaction. One that still cannot
+        be saved is set aside: logged (with the provider's message id, so nothing the provider
+        said is lost) and announced as ``save_failed``, and the relay goes on."""
+        for done in batch:
+            try:
+                with self._transaction() as conn:
+                    applied = self._save(conn, [done], now)
+            except sa.exc.DBAPIError as exc:
+                if _is_outage(exc):
+                    raise  # the rest stay unsaved, for the next pass
+                self._unsaved.remove(done)
+                self.set_aside += 1
+                log.error(
+                    "a finished send cannot be saved; set aside: %s",
+                    exc.orig if exc.orig is not None else exc,
+                    extra={
+                        "action": "save_failed",
+                        "message_id": done.claim.id,
+                        "outcome": _outcome_name(done.outcome),
+                        "decision": done.decision.action.value,
+                        "code": done.decision.code,
+                        "provider_message_id": done.decision.provider_message_id,
+                    },
+                )
+                signals.save_failed.send(
+                    self,
+                    message_id=done.claim.id,
+                    category=done.claim.category,
+                    code=done.decision.code,
+                    provider_message_id=done.decision.provider_message_id,
+                    outcome=_outcome_name(done.outcome),
+                )
+                continue
+            self._unsaved.remove(done)
+            self._announce_saved([done], applied)
 
     def _claim_limit(self) -> tuple[int, bool]:
         """How many rows to claim now, and whether the claim is a paused relay's probe."""
@@ -264,18 +387,26 @@ class Relay:
             return 0, False
         free = self.config.concurrency - len(self._in_flight) - len(self._ready)
         limit = min(free, self.config.batch_size, int(min(self.limiter.available(), 1e9)))
-        if self._paused_until is None:
+        if not self.pauses.account_paused:
             return max(0, limit), False
-        if self._probing or time.monotonic() < self._paused_until or self._in_flight:
+        if not self.pauses.probe_due(ACCOUNT) or self._in_flight or self._ready:
             return 0, False
         return min(limit, 1), limit > 0
 
-    def _accept(self, claims: list[store.Claim], now: datetime) -> None:
-        """Queue new claims to be sent; a payload that is not an email fails, unsent."""
+    def _accept(
+        self, conn: sa.Connection, claims: list[store.Claim], now: datetime, probe: bool
+    ) -> None:
+        """Queue new claims to be sent; a payload that is not an email fails, unsent. While a
+        scope is paused, its messages step back in line until its next probe (one of them is
+        the probe)."""
+        held: list[tuple[store.Claim, float]] = []
         for claim in claims:
             signals.claimed.send(self, message_id=claim.id, category=claim.category)
             try:
-                self._ready.append((claim, Email.from_payload(claim.payload)))
+                payload = claim.payload
+                email = Email.from_payload(
+                    json.loads(payload) if isinstance(payload, str) else payload
+                )
             except (InvalidEmail, TypeError, ValueError) as exc:
                 decision = Decision(action=Action.FAIL, code="invalid_payload", message=str(exc))
                 self._unsaved.append(
@@ -287,48 +418,73 @@ class Relay:
                         decision=decision,
                     )
                 )
+                continue
+            if not self.pauses:
+                self._ready.append(_Ready(claim=claim, email=email))
+                continue
+            admission, scope = self.pauses.admit(_scopes(email))
+            if admission is Admission.HOLD:
+                held.append((claim, self.pauses.remaining(_scopes(email))))
+            else:
+                self._ready.append(_Ready(claim=claim, email=email, probe=scope))
+        for claim, wait in held:
+            later = now + timedelta(seconds=wait)
+            store.release_unstarted(
+                conn, ids=[claim.id], claim_token=claim.claim_token, now=now, next_attempt_at=later
+            )
+            log.info(
+                "held: its sending is paused",
+                extra={"action": "held", "message_id": claim.id},
+            )
 
     def _admissible(self) -> bool:
         return bool(self._ready) and self.limiter.available() >= 1
 
-    def _admit(self) -> list[tuple[store.Claim, Email, list[float]]]:
+    def _admit(self) -> list[tuple[_Ready, list[float]]]:
         """The unstarted claims the rate limit lets start now, in order, each with a ticket."""
-        wave: list[tuple[store.Claim, Email, list[float]]] = []
-        for claim, email in self._ready:
-            ticket = self.limiter.take(max(1, claim.recipient_count))
+        wave: list[tuple[_Ready, list[float]]] = []
+        for ready in self._ready:
+            ticket = self.limiter.take(max(1, ready.claim.recipient_count))
             if ticket is None:
                 break
-            wave.append((claim, email, ticket))
+            wave.append((ready, ticket))
         return wave
 
     def _start(
         self,
-        wave: list[tuple[store.Claim, Email, list[float]]],
+        wave: list[tuple[_Ready, list[float]]],
         marked: set[tuple[int, str]],
         now: datetime,
     ) -> None:
         """Hand each marked message of the wave to a send thread. After a failed exchange the
         same id can be queued under two claims; only the one whose mark applied is sent."""
-        for claim, email, ticket in wave:
+        for ready, ticket in wave:
+            claim = ready.claim
             if (claim.id, claim.claim_token) not in marked:
                 log.warning(
                     "lease lost before the send started; not sending",
                     extra={"action": "lease_lost", "message_id": claim.id},
                 )
-                if self._probing:  # the probe is gone: probe again after another pause
-                    self._probing = False
-                    self._paused_until = time.monotonic() + self.config.pause_seconds
+                if ready.probe is not None:  # the probe is gone: probe again after a pause
+                    self.pauses.probe_lost(ready.probe)
                 continue
             message = OutgoingMessage(
                 id=claim.id,
                 key=claim.key,
                 category=claim.category,
                 attempt=claim.attempt_count + 1,
-                email=email,
+                email=ready.email,
             )
-            deadline = time.monotonic() + (claim.lease_expires_at - now).total_seconds()
-            future = self._pool.submit(self._send, message, ticket, deadline)
-            self._in_flight[claim.id] = _InFlight(claim=claim, started_at=now, future=future)
+            started = time.monotonic()
+            lease_ends = started + (claim.lease_expires_at - now).total_seconds()
+            future = self._pool.submit(self._send, message, ticket, lease_ends)
+            self._in_flight[(claim.id, claim.claim_token)] = _InFlight(
+                claim=claim,
+                started_at=now,
+                future=future,
+                deadline=started + self.config.send_timeout,
+                probe=ready.probe,
+            )
             future.add_done_callback(lambda _f: self._wake.set())
 
     def _send(
@@ -355,21 +511,26 @@ class Relay:
     def _collect(self, now: datetime) -> None:
         """Move finished sends, with the policy's decision, to the unsaved list, and react to
         what the provider said before anything more is claimed (a pause, a throttle)."""
-        for message_id, flight in list(self._in_flight.items()):
+        for key, flight in list(self._in_flight.items()):
             if flight.future.done():
-                del self._in_flight[message_id]
+                del self._in_flight[key]
                 outcome, duration = flight.future.result()
+                decision = decide(outcome, flight.claim.state, now)
+                if isinstance(outcome, Disabled) and outcome.pause and outcome.scope != ACCOUNT:
+                    # only this scope is paused: its message steps back in line until its probe
+                    later = now + timedelta(seconds=self.config.pause_seconds)
+                    decision = dataclasses.replace(decision, next_attempt_at=later)
                 self._unsaved.append(
                     _Done(
                         claim=flight.claim,
                         started_at=flight.started_at,
                         finished_at=now,
                         outcome=outcome,
-                        decision=decide(outcome, flight.claim.state, now),
+                        decision=decision,
                         duration=duration,
                     )
                 )
-                self._react(outcome)
+                self._react(outcome, flight.probe)
 
     def _save(self, conn: sa.Connection, batch: list[_Done], now: datetime) -> list[bool]:
         """Write each finished send's decision (guarded by its claim) and its attempt row;
@@ -423,68 +584,110 @@ class Relay:
         self._announce_saved(batch, applied)
         return True
 
-    def _react(self, outcome: Outcome | None) -> None:
-        """Adapt the relay to what the provider said: slow down, pause, resume."""
+    def _react(self, outcome: Outcome, probe: Scope | None) -> None:
+        """Adapt the relay to what the provider said: slow down, pause, resume. Whatever a
+        probe's outcome, the probe is over."""
         match outcome:
             case Transient(throttled=True):
                 self.rate.on_throttle()
-            case Disabled(pause=True, code=code):
-                self._pause(self.config.pause_seconds, code)
+            case Disabled(pause=True, code=code, scope=scope):
+                self._pause(scope, code)
             case Permanent(config_error=True, code=code):
                 log.error(
                     "sending is misconfigured: %s",
                     code,
                     extra={"action": "config_error", "code": code},
                 )
-        if self._probing and not isinstance(outcome, Disabled):
-            self._probing = False
-            self._paused_until = None
-            self.pause_code = None
-            self.state = "running"
-            self._last_heartbeat = 0.0  # show the resumption in outbox_relays at once
-            log.warning("sending works again; resuming", extra={"action": "resumed"})
+        if isinstance(outcome, Ambiguous) and outcome.code == "sender_exception":
+            self._sender_errors += 1
+            if self._sender_errors >= SENDER_ERRORS_TO_PAUSE:
+                self._pause(ACCOUNT, "sender_exception")
+        else:
+            self._sender_errors = 0
+        if probe is None:
+            return
+        still = isinstance(outcome, Disabled) and outcome.pause
+        if self.pauses.probe_ended(
+            probe, paused=still, informative=not isinstance(outcome, Disabled) or still
+        ):
+            if probe == ACCOUNT:
+                self.state = "running"
+                self._last_heartbeat = 0.0  # show the resumption in outbox_relays at once
+            log.warning(
+                "sending works again; resuming (%s)",
+                probe,
+                extra={"action": "resumed", "scope": str(probe)},
+            )
 
-    def _pause(self, seconds: float, code: str) -> None:
-        first = self._paused_until is None
-        self._paused_until = time.monotonic() + seconds
-        self._probing = False
-        self.state = "paused"
-        self.pause_code = code
-        self._last_heartbeat = 0.0  # show the pause in outbox_relays at once
+    def _pause(self, scope: Scope, code: str) -> None:
+        first = self.pauses.pause(scope, code)
         log.error(
-            "sending paused by the provider (%s); probing again in %gs",
+            "sending paused (%s: %s); probing again in %gs",
+            scope,
             code,
-            seconds,
-            extra={"action": "paused" if first else "still_paused", "code": code},
+            self.config.pause_seconds,
+            extra={
+                "action": "paused" if first else "still_paused",
+                "code": code,
+                "scope": str(scope),
+            },
         )
-        self._release_ready()
+        if scope == ACCOUNT:
+            self.state = "paused"
+            self._last_heartbeat = 0.0  # show the pause in outbox_relays at once
+            self._release_ready()
+        elif self._ready:
+            self._release_ready(scope)
 
     def _extend_leases(self, now: datetime) -> None:
+        """Renew the leases this relay still needs: sends in flight within their deadline,
+        finished sends not saved yet, claims waiting to start. A send past ``--send-timeout``
+        is not renewed: its lease runs out and the sweep settles it as ambiguous."""
         half = timedelta(seconds=self.config.lease_seconds / 2)
-        due = [f.claim for f in self._in_flight.values() if f.claim.lease_expires_at - now < half]
+        mono = time.monotonic()
+        held: list[store.Claim] = []
+        for flight in self._in_flight.values():
+            if mono < flight.deadline:
+                held.append(flight.claim)
+            elif not flight.overdue:
+                flight.overdue = True
+                log.error(
+                    "send still running past --send-timeout; its lease is left to expire",
+                    extra={"action": "send_overdue", "message_id": flight.claim.id},
+                )
+        held += [done.claim for done in self._unsaved]
+        held += [ready.claim for ready in self._ready]
+        due = [claim for claim in held if claim.lease_expires_at - now < half]
         if not due:
             return
         until = now + timedelta(seconds=self.config.lease_seconds)
+        kept: set[tuple[int, str]] = set()
         with self._transaction() as conn:
             for token, ids in _by_token(due).items():
-                kept = store.extend_lease(conn, ids=ids, claim_token=token, until=until)
-                for claim in due:
-                    if claim.claim_token != token:
-                        continue
-                    flight = self._in_flight[claim.id]
-                    if claim.id in kept:
-                        flight.claim = dataclasses.replace(claim, lease_expires_at=until)
-                    else:
-                        log.warning(
-                            "lease lost while sending",
-                            extra={"action": "lease_lost", "message_id": claim.id},
-                        )
+                kept.update(
+                    (id_, token)
+                    for id_ in store.extend_lease(conn, ids=ids, claim_token=token, until=until)
+                )
+
+        def renewed(claim: store.Claim) -> store.Claim:
+            if claim.lease_expires_at - now >= half or (claim.id, claim.claim_token) not in kept:
+                return claim
+            return dataclasses.replace(claim, lease_expires_at=until)
+
+        for flight in self._in_flight.values():
+            flight.claim = renewed(flight.claim)
+        self._unsaved = [dataclasses.replace(d, claim=renewed(d.claim)) for d in self._unsaved]
+        for ready in self._ready:
+            ready.claim = renewed(ready.claim)
+        for claim in due:
+            if (claim.id, claim.claim_token) not in kept:
+                log.warning("lease lost", extra={"action": "lease_lost", "message_id": claim.id})
 
     def _sweep(self, now: datetime) -> bool:
-        last = self._last_sweep
-        if last is not None and (now - last).total_seconds() < SWEEP_INTERVAL:
+        mono = time.monotonic()
+        if mono - self._last_sweep < SWEEP_INTERVAL or mono < self._sweep_from:
             return False
-        self._last_sweep = now
+        self._last_sweep = mono
         with self._transaction() as conn:
             swept = store.sweep_expired_leases(conn, now=now, relay_id=self.relay_id)
         for lease, decision in swept:
@@ -590,31 +793,42 @@ class Relay:
         self._finalize()
         self._extend_leases(self.clock())
 
-    def _release_ready(self) -> None:
-        if not self._ready:
+    def _release_ready(self, scope: Scope | None = None) -> None:
+        """Give back the claims waiting to start: all of them (drain, an account pause), or
+        those of one paused scope, which step back in line until its next probe."""
+        if scope is None:
+            chosen, later = self._ready, None
+        else:
+            chosen = [r for r in self._ready if scope in _scopes(r.email)]
+            later = self.clock() + timedelta(seconds=self.config.pause_seconds)
+        if not chosen:
             return
         now = self.clock()
         with self._transaction() as conn:
-            for token, ids in _by_token(claim for claim, _email in self._ready).items():
-                store.release_unstarted(conn, ids=ids, claim_token=token, now=now)
-        for claim, _email in self._ready:
+            for token, ids in _by_token(r.claim for r in chosen).items():
+                store.release_unstarted(
+                    conn, ids=ids, claim_token=token, now=now, next_attempt_at=later
+                )
+        for ready in chosen:
+            claim = ready.claim
             log.info("released unstarted", extra={"action": "released", "message_id": claim.id})
             signals.released.send(self, message_id=claim.id, category=claim.category)
-        self._ready.clear()
+            if ready.probe is not None:
+                self.pauses.probe_lost(ready.probe)
+        gone = {id(r) for r in chosen}
+        self._ready = [r for r in self._ready if id(r) not in gone]
 
     def _idle(self) -> bool:
         """Nothing held, and the last claim was not cut short by the rate limit."""
-        busy = self._in_flight or self._ready or self._unsaved or self.paused
+        busy = bool(self._in_flight or self._ready or self._unsaved or self.pauses)
         busy = busy or time.monotonic() < self._sends_from
         return not busy and self.limiter.available() >= 1
 
     def _wait(self) -> None:
         if self._ready or self.limiter.available() < 1:  # waiting for the rate limit only
             timeout = max(0.005, self.limiter.seconds_until_available())
-        elif self._paused_until is not None and not self._probing:
-            timeout = max(
-                0.005, min(self.config.poll_interval, self._paused_until - time.monotonic())
-            )
+        elif (probe_in := self.pauses.next_probe_in()) is not None:
+            timeout = max(0.005, min(self.config.poll_interval, probe_in))
         else:
             timeout = self.config.poll_interval * random.uniform(0.8, 1.2)
         self._wake.wait(timeout)
@@ -629,6 +843,9 @@ class Relay:
             conn = self.engine.connect()
             try:
                 _end_idle_transactions(conn, self.config.lease_seconds)
+                if self._db_clock is not None:
+                    self._db_clock.sample(conn)  # a new connection may be a new server
+                    conn.commit()
             except BaseException:
                 conn.invalidate()
                 raise
@@ -654,7 +871,7 @@ class Relay:
         """Run ``fn``; on a database error log it and return None (the loop backs off)."""
         try:
             result = fn()
-        except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DBAPIError) as exc:
+        except sa.exc.DBAPIError as exc:
             self._db_failures += 1
             log.warning(
                 "database error: %s",
@@ -662,6 +879,10 @@ class Relay:
                 extra={"action": "db_error", "failures": self._db_failures},
             )
             return None
+        if self._db_failures:
+            # back after an outage: other relays may be just back too, and need a moment to
+            # save and renew what they hold before anyone sweeps it
+            self._sweep_from = time.monotonic() + self.config.heartbeat_interval
         self._db_failures = 0
         return True if result is None else result
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from outbox.message import Email
+from relay.pause import ACCOUNT, Scope
 
 __all__ = [
     "Accepted",
@@ -37,9 +38,13 @@ class OutgoingMessage:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Accepted:
-    """The provider accepted the message."""
+    """The provider accepted the message.
+
+    ``refused`` lists the recipients it refused for good while taking the message for the
+    others (SMTP answers per recipient), each as ``"address: reply"``: they did not get it."""
 
     provider_message_id: str | None
+    refused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,13 +86,16 @@ class Disabled:
     """The sender cannot send now for a reason that is not this message's fault (sending
     disabled or paused); the message goes back untouched, no attempt counted.
 
-    With ``pause`` the whole relay pauses (the account is paused or suspended, credentials
-    are refused, the daily quota is used up): it stops claiming, gives back what it holds, and
-    sends one probe message every ``--pause-seconds`` to see whether sending works again."""
+    With ``pause`` sending pauses for ``scope``: the whole account (paused or suspended,
+    credentials refused, the daily quota used up: the relay stops claiming and gives back what
+    it holds), or one configuration set or sending identity (only its messages are held, the
+    rest go on). One probe message of the scope is sent every ``--pause-seconds`` to see
+    whether sending works again."""
 
     code: str
     message: str = ""
     pause: bool = False
+    scope: Scope = ACCOUNT
 
 
 Outcome = Accepted | Transient | Permanent | Ambiguous | Disabled
