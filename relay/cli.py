@@ -244,6 +244,8 @@ def run(**options: Any) -> None:
         listener.start()
     try:
         relay.run()
+    except ConfigurationError as exc:
+        raise click.UsageError(str(exc)) from None
     finally:
         if server is not None:
             server.stop()
