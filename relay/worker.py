@@ -311,15 +311,21 @@ class Relay:
                         now=now,
                         lease_seconds=self.config.lease_seconds,
                     )
-                    self._accept(conn, claims, now, probe)
+                    self._accept(conn, claims, now)
                 wave = self._admit()
                 for token, ids in _by_token(r.claim for r, _ in wave).items():
                     stamped = store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
                     marked.update((id_, token) for id_ in stamped)
         except sa.exc.DBAPIError as exc:
-            del self._ready[ready_before:]  # the claim rolled back with the rest
-            self._unsaved[len(batch) :] = []
-            if _is_outage(exc) or not batch:
+            if _is_outage(exc):
+                # The commit may have applied unseen: what was claimed stays queued, to be
+                # marked under its claim token next time (a claim that did not commit finds
+                # no row then, and nothing is sent).
+                raise
+            # A statement's own error: the transaction rolled back, claims included.
+            del self._ready[ready_before:]
+            del self._unsaved[len(batch) :]
+            if not batch:
                 raise
             # One finished send cannot be saved (its row deleted or changed under it): save
             # each alone, so that one never holds back the others or the next claims.
@@ -393,9 +399,7 @@ class Relay:
             return 0, False
         return min(limit, 1), limit > 0
 
-    def _accept(
-        self, conn: sa.Connection, claims: list[store.Claim], now: datetime, probe: bool
-    ) -> None:
+    def _accept(self, conn: sa.Connection, claims: list[store.Claim], now: datetime) -> None:
         """Queue new claims to be sent; a payload that is not an email fails, unsent. While a
         scope is paused, its messages step back in line until its next probe (one of them is
         the probe)."""
@@ -424,7 +428,8 @@ class Relay:
                 continue
             admission, scope = self.pauses.admit(_scopes(email))
             if admission is Admission.HOLD:
-                held.append((claim, self.pauses.remaining(_scopes(email))))
+                # at least a second: a scope whose probe is out would be claimed again at once
+                held.append((claim, max(1.0, self.pauses.remaining(_scopes(email)))))
             else:
                 self._ready.append(_Ready(claim=claim, email=email, probe=scope))
         for claim, wait in held:
@@ -598,15 +603,13 @@ class Relay:
                     code,
                     extra={"action": "config_error", "code": code},
                 )
-        if isinstance(outcome, Ambiguous) and outcome.code == "sender_exception":
-            self._sender_errors += 1
-            if self._sender_errors >= SENDER_ERRORS_TO_PAUSE:
-                self._pause(ACCOUNT, "sender_exception")
-        else:
-            self._sender_errors = 0
+        broken = isinstance(outcome, Ambiguous) and outcome.code == "sender_exception"
+        self._sender_errors = self._sender_errors + 1 if broken else 0
+        if self._sender_errors >= SENDER_ERRORS_TO_PAUSE:
+            self._pause(ACCOUNT, "sender_exception")
         if probe is None:
             return
-        still = isinstance(outcome, Disabled) and outcome.pause
+        still = (isinstance(outcome, Disabled) and outcome.pause) or (broken and probe == ACCOUNT)
         if self.pauses.probe_ended(
             probe, paused=still, informative=not isinstance(outcome, Disabled) or still
         ):
