@@ -2,12 +2,19 @@
 
 SMTP has no idempotency either, so the rule is the same as for SES (see :func:`classify`):
 
-* The server **answered** with a reply code: it did not take the message (or, for a partial
-  recipient refusal, it took it for the others). 4xx is transient, 5xx permanent; bad
+* The server **answered** with a reply code: it did not take the message. 4xx is transient
+  (421, the server closing the connection, also slows the relay down), 5xx permanent; bad
   credentials or a server that lacks STARTTLS/AUTH pause the relay without using attempts.
 * **No answer** came: before the ``DATA`` command nothing can have been queued (transient);
   once ``DATA`` was sent the server may have queued the message before the connection died or
   timed out (ambiguous).
+
+Recipients are answered one by one, before ``DATA``, and the sender decides there whether to
+send the message at all (:meth:`_TrackedSMTP.transact`). A recipient refused for now
+(greylisting, a full mailbox) ends the transaction with ``RSET``: nothing is queued for anyone
+and the whole message is retried, so nobody is left out and nobody gets it twice. Recipients
+refused for good (5xx) do not stop the others; the :class:`~relay.senders.Accepted` outcome
+lists them.
 
 Each worker thread keeps one connection (opened lazily, checked with ``RSET`` before reuse,
 reopened when the server has closed it). The password never appears in a log line, a
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import logging
 import math
 import os
@@ -25,7 +33,8 @@ import smtplib
 import socket
 import ssl
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from email.generator import BytesGenerator
 from email.message import EmailMessage
 from email.utils import formatdate, parseaddr
 from typing import TYPE_CHECKING, Literal, Self
@@ -59,6 +68,8 @@ SECURITY_MODES: tuple[Security, ...] = ("starttls", "ssl", "none")
 OUTBOX_ID_HEADER = "X-Outbox-Message-Id"
 _MAX_MESSAGE_CHARS = 1000
 _MAX_PROVIDER_ID_CHARS = 255
+_MAX_REFUSAL_CHARS = 300
+_CLOSING = 421  # "service not available, closing transmission channel"
 
 
 # -- classification -------------------------------------------------------------------------
@@ -73,7 +84,7 @@ def classify(exc: BaseException, *, data_sent: bool) -> Outcome:
     text = _describe(exc)
     if isinstance(exc, smtplib.SMTPAuthenticationError):
         if _is_temporary(exc.smtp_code):  # 454 "temporary authentication failure"
-            return Transient(code=f"smtp_{exc.smtp_code}", message=text)
+            return _temporary(exc.smtp_code, text)
         return Disabled(code="smtp_auth_failed", message=text, pause=True)
     if isinstance(exc, smtplib.SMTPNotSupportedError):
         return Disabled(code="smtp_not_supported", message=text, pause=True)
@@ -82,13 +93,15 @@ def classify(exc: BaseException, *, data_sent: bool) -> Outcome:
     if isinstance(exc, smtplib.SMTPConnectError | smtplib.SMTPHeloError):
         # refused while setting up the session: not this message's fault, never queued
         code = exc.smtp_code
+        if _is_temporary(code):
+            return _temporary(code, text)
         code_name = f"smtp_{code}" if _is_reply(code) else "smtp_connect_failed"
         return Transient(code=code_name, message=text)
     if isinstance(exc, smtplib.SMTPResponseException):  # sender refused, data error, ...
         code = exc.smtp_code
         if _is_temporary(code):
-            return Transient(code=f"smtp_{code}", message=text)
-        if _is_reply(code) and code >= 500:
+            return _temporary(code, text)
+        if _is_permanent(code):
             # MAIL FROM refused (sender not allowed, AUTH required): every message will be;
             # 552 there is this message's size (announced with SIZE=)
             setup = isinstance(exc, smtplib.SMTPSenderRefused) and code != 552
@@ -122,6 +135,17 @@ def _is_temporary(code: int) -> bool:
     return 400 <= code <= 499
 
 
+def _is_permanent(code: int) -> bool:
+    return 500 <= code <= 599
+
+
+def _temporary(code: int, text: str) -> Transient:
+    """A 4xx reply. 421 is the server shedding load or going down, whatever the command: the
+    relay slows down (``throttled``). Other 4xx replies concern this message or one recipient
+    (greylisting, a full mailbox, a local error): slowing every other message would not help."""
+    return Transient(code=f"smtp_{code}", message=text, throttled=code == _CLOSING)
+
+
 def _network_code(exc: OSError) -> str:
     if isinstance(exc, ssl.SSLError):
         return "smtp_tls_error"
@@ -135,14 +159,22 @@ def _network_code(exc: OSError) -> str:
 
 
 def _recipients_refused(exc: smtplib.SMTPRecipientsRefused, text: str) -> Outcome:
+    """Recipients refused before DATA, so the message went to nobody: any refusal for now
+    defers all of it; refusals that are all for good fail it."""
     codes = [code for code, _reply in exc.recipients.values()]
-    temporary = next((code for code in codes if _is_temporary(code)), None)
-    if temporary is not None:  # some might be accepted later (or the server hung up: 421)
-        return Transient(code=f"smtp_{temporary}", message=text)
-    permanent = next((code for code in codes if _is_reply(code) and code >= 500), None)
-    if permanent is not None:
-        return Permanent(code=f"smtp_{permanent}", message=text)
-    return Transient(code="smtp_recipients_refused", message=text)
+    if _CLOSING in codes:  # the server hung up in the middle: the rest were never asked
+        return _temporary(_CLOSING, text)
+    if any(_is_temporary(code) for code in codes):
+        return Transient(code="smtp_recipient_deferred", message=text)
+    if codes and all(_is_permanent(code) for code in codes):
+        return Permanent(code=f"smtp_{codes[0]}", message=text)
+    return Transient(code="smtp_recipients_refused", message=text)  # not a reply code
+
+
+def _refusal(address: str, reply: tuple[int, bytes]) -> str:
+    """One permanently refused recipient, as :attr:`Accepted.refused` lists it."""
+    text = " ".join(f"{address}: {reply[0]} {_reply_text(reply[1])}".split())
+    return text if len(text) <= _MAX_REFUSAL_CHARS else text[: _MAX_REFUSAL_CHARS - 3] + "..."
 
 
 def _reply_text(reply: bytes | str) -> str:
@@ -153,10 +185,7 @@ def _describe(exc: BaseException) -> str:
     """A short text for the outcome: the server's reply, never the recipients' addresses in
     bulk."""
     if isinstance(exc, smtplib.SMTPRecipientsRefused):
-        replies = exc.recipients.values()
-        first = next(iter(replies), None)
-        detail = "" if first is None else f"; first: {first[0]} {_reply_text(first[1])}"
-        text = f"{len(exc.recipients)} recipient(s) refused{detail}"
+        text = _describe_refusals(exc)
     elif isinstance(exc, smtplib.SMTPResponseException):
         text = f"{type(exc).__name__}: {exc.smtp_code} {_reply_text(exc.smtp_error)}"
     else:
@@ -165,17 +194,102 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) <= _MAX_MESSAGE_CHARS else text[: _MAX_MESSAGE_CHARS - 3] + "..."
 
 
+def _describe_refusals(exc: smtplib.SMTPRecipientsRefused) -> str:
+    """How many were refused (of how many, when known), and the first telling reply: the
+    first deferral if there is one, since that is why the message waits."""
+    replies = list(exc.recipients.values())
+    deferred = [reply for reply in replies if _is_temporary(reply[0])]
+    of = f" of {exc.asked}" if isinstance(exc, _RefusedBeforeData) else ""
+    if deferred:
+        others = len(replies) - len(deferred)
+        text = f"{len(deferred)}{of} recipient(s) deferred"
+        text += f", {others} refused, nothing sent" if others else ", nothing sent"
+    else:
+        text = f"{len(replies)}{of} recipient(s) refused"
+    if not replies:
+        return text
+    code, reply = (deferred or replies)[0]
+    return f"{text}; first: {code} {_reply_text(reply)}"
+
+
 # -- connections ----------------------------------------------------------------------------
 
 
+class _RefusedBeforeData(smtplib.SMTPRecipientsRefused):
+    """The transaction ended before ``DATA`` because of these refusals; ``asked`` recipients
+    were named (the accepted ones are not in ``recipients``)."""
+
+    def __init__(self, recipients: dict[str, tuple[int, bytes]], *, asked: int) -> None:
+        super().__init__(recipients)
+        self.asked = asked
+
+
 class _TrackedSMTP(smtplib.SMTP):
-    """An SMTP connection that remembers whether ``DATA`` was sent for the current message."""
+    """An SMTP connection that runs the relay's mail transaction and remembers whether
+    ``DATA`` was sent for the current message."""
 
     data_sent = False
 
     def data(self, msg: ReadableBuffer | str) -> tuple[int, bytes]:
         self.data_sent = True
         return super().data(msg)
+
+    def transact(
+        self, mime: EmailMessage, from_addr: str, to_addrs: Sequence[str]
+    ) -> dict[str, tuple[int, bytes]]:
+        """``MAIL FROM``, ``RCPT TO`` for each recipient, then ``DATA`` only if every
+        recipient was accepted or refused for good, and at least one accepted. Returns the
+        ones refused for good.
+
+        smtplib's ``sendmail`` sends ``DATA`` as soon as one recipient is accepted, so one
+        refused for now would quietly miss the message. Here any such refusal, or no recipient
+        accepted, ends the transaction with ``RSET`` before ``DATA`` and raises
+        :class:`_RefusedBeforeData`: the server queued nothing, and the whole message can be
+        tried again without a duplicate. Raises like ``sendmail`` otherwise
+        (``SMTPSenderRefused``, ``SMTPDataError``; a 421 closes the connection).
+        """
+        with io.BytesIO() as buffer:  # as send_message does (our messages carry no Bcc)
+            BytesGenerator(buffer).flatten(mime, linesep="\r\n")
+            body = buffer.getvalue()
+        self.ehlo_or_helo_if_needed()
+        options = [f"size={len(body)}"] if self.does_esmtp and self.has_extn("size") else []
+        code, reply = self.mail(from_addr, options)
+        if code != 250:
+            self._abandon(code)
+            raise smtplib.SMTPSenderRefused(code, reply, from_addr)
+        refused: dict[str, tuple[int, bytes]] = {}
+        for address in to_addrs:
+            code, reply = self.rcpt(address)
+            if code in (250, 251):
+                continue
+            refused[address] = (code, reply)
+            if code == _CLOSING:  # the server is going away: the rest cannot be asked
+                self.close()
+                raise _RefusedBeforeData(refused, asked=len(to_addrs))
+        everyone = len(refused) == len(to_addrs)
+        if everyone or not all(_is_permanent(code) for code, _reply in refused.values()):
+            self._reset()
+            raise _RefusedBeforeData(refused, asked=len(to_addrs))
+        code, reply = self.data(body)
+        if code != 250:
+            self._abandon(code)
+            raise smtplib.SMTPDataError(code, reply)
+        return refused
+
+    def _abandon(self, code: int) -> None:
+        """After a refusal: close the connection on 421, else reset the transaction."""
+        if code == _CLOSING:
+            self.close()
+        else:
+            self._reset()
+
+    def _reset(self) -> None:
+        """``RSET``; if that fails the connection is closed (the next send opens a new one)
+        and the refusal that led here still stands."""
+        try:
+            self.rset()
+        except OSError:  # SMTPServerDisconnected, a timeout
+            self.close()
 
 
 class _TrackedSMTPSSL(_TrackedSMTP, smtplib.SMTP_SSL):
@@ -333,7 +447,7 @@ class SmtpSender:
             to_addrs = list(dict.fromkeys(parseaddr(a)[1] for a in email.recipients))
             conn = self._connection()
             conn.data_sent = False
-            refused = conn.send_message(mime, from_addr=from_addr, to_addrs=to_addrs)
+            refused = conn.transact(mime, from_addr, to_addrs)
         except Exception as exc:  # classified, never raised: see classify()
             data_sent = conn is not None and conn.data_sent
             outcome = self._scrubbed(classify(exc, data_sent=data_sent))
@@ -342,13 +456,18 @@ class SmtpSender:
             return outcome
         if refused:
             log.warning(
-                "smtp server refused %d of %d recipients; sent to the others",
+                "smtp server refused %d of %d recipients for good; sent to the others",
                 len(refused),
                 len(to_addrs),
                 extra={"action": "smtp_partial_refusal", "message_id": message.id},
             )
         # outbox_messages.provider_message_id is 255 characters; a Message-ID may be longer
-        return Accepted(provider_message_id=str(mime["Message-ID"])[:_MAX_PROVIDER_ID_CHARS])
+        return self._scrubbed(
+            Accepted(
+                provider_message_id=str(mime["Message-ID"])[:_MAX_PROVIDER_ID_CHARS],
+                refused=tuple(_refusal(address, reply) for address, reply in refused.items()),
+            )
+        )
 
     def _mime(self, message: OutgoingMessage) -> EmailMessage:
         mime = message.email.to_mime()
@@ -366,11 +485,17 @@ class SmtpSender:
     def _scrubbed(self, outcome: Outcome) -> Outcome:
         """Belt and braces: a server that echoes the password must not get it into the
         database or the logs."""
-        if isinstance(outcome, Accepted) or self._password is None:
+        secret = self._password
+        if secret is None:
             return outcome
-        if self._password not in outcome.message:
+        if isinstance(outcome, Accepted):
+            if not any(secret in refusal for refusal in outcome.refused):
+                return outcome
+            refused = tuple(refusal.replace(secret, "***") for refusal in outcome.refused)
+            return dataclasses.replace(outcome, refused=refused)
+        if secret not in outcome.message:
             return outcome
-        return dataclasses.replace(outcome, message=outcome.message.replace(self._password, "***"))
+        return dataclasses.replace(outcome, message=outcome.message.replace(secret, "***"))
 
     # -- connections ------------------------------------------------------------------------
 
@@ -476,8 +601,8 @@ def _alive(conn: _TrackedSMTP) -> bool:
 
 
 def _reusable_after(exc: BaseException) -> bool:
-    """After a refusal smtplib has reset the transaction (or closed the connection on 421,
-    which the next send sees); after anything else the connection's state is unknown."""
+    """After a refusal the transaction was reset (or the connection closed, which the next
+    send sees); after anything else the connection's state is unknown."""
     return isinstance(
         exc,
         smtplib.SMTPSenderRefused | smtplib.SMTPRecipientsRefused | smtplib.SMTPDataError,

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from email.message import EmailMessage
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from sqlalchemy.orm import Session as DbSession
 
-from outbox import Attachment, Email, Outbox, Status
+from outbox import Attachment, Category, Email, Outbox, Status
 from outbox.schema import attempts, messages
 from relay.config import RelayConfig
 from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
@@ -63,7 +63,7 @@ class Handler:
 
     received: list[Received] = field(default_factory=list)
     mail_reply: str | None = None  # e.g. "553 5.7.1 sender not allowed"
-    rcpt_replies: dict[str, str] = field(default_factory=dict)  # address -> reply
+    rcpt_replies: dict[str, str] = field(default_factory=dict)  # address -> reply, or "drop"
     data_reply: str | None = None
     after_data: str | None = None  # "drop": close without a reply; "hang": never reply
     release: asyncio.Event | None = None  # set at teardown to let hanging sessions end
@@ -78,6 +78,10 @@ class Handler:
 
     async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
         reply = self.rcpt_replies.get(address)
+        if reply == "drop":  # the connection dies before the answer
+            assert server.transport is not None
+            server.transport.close()
+            return "250 OK"
         if reply:
             return reply
         envelope.rcpt_tos.append(address)
@@ -429,12 +433,14 @@ def test_connections_of_finished_threads_are_closed(server, make_sender):
     [
         ("mail", "553 5.7.1 sender not allowed", Permanent(code="smtp_553", config_error=True)),
         ("mail", "451 4.3.0 try later", Transient(code="smtp_451")),
+        ("mail", "421 4.7.0 too many connections", Transient(code="smtp_421", throttled=True)),
         ("rcpt", "550 5.1.1 no such user", Permanent(code="smtp_550")),
-        ("rcpt", "451 4.7.1 greylisted", Transient(code="smtp_451")),
-        ("rcpt", "421 4.3.2 shutting down", Transient(code="smtp_421")),
+        ("rcpt", "451 4.7.1 greylisted", Transient(code="smtp_recipient_deferred")),
+        ("rcpt", "452 4.2.2 mailbox full", Transient(code="smtp_recipient_deferred")),
+        ("rcpt", "421 4.3.2 shutting down", Transient(code="smtp_421", throttled=True)),
         ("data", "554 5.6.0 message refused", Permanent(code="smtp_554")),
         ("data", "451 4.3.0 local error", Transient(code="smtp_451")),
-        ("data", "421 4.3.2 closing", Transient(code="smtp_421")),
+        ("data", "421 4.3.2 closing", Transient(code="smtp_421", throttled=True)),
     ],
 )
 def test_refusals_are_classified_by_reply_code(server, make_sender, where, reply, expected):
@@ -451,6 +457,7 @@ def test_refusals_are_classified_by_reply_code(server, make_sender, where, reply
     assert type(outcome) is type(expected)
     assert outcome.code == expected.code
     assert getattr(outcome, "config_error", False) == getattr(expected, "config_error", False)
+    assert getattr(outcome, "throttled", False) == getattr(expected, "throttled", False)
     assert reply.split(" ", 2)[2] in outcome.message
     assert server.handler.received == []
     # the sender recovers: the next message goes through (on a new connection after a 421)
@@ -459,21 +466,85 @@ def test_refusals_are_classified_by_reply_code(server, make_sender, where, reply
     assert isinstance(sender.send(outgoing(2)), Accepted)
 
 
-def test_partial_refusal_is_accepted_and_logged_without_addresses(server, make_sender, caplog):
+def test_a_greylisted_recipient_defers_the_whole_message_before_data(server, make_sender):
+    """One recipient answered "try later": nothing is sent to anyone, so the retry of the whole
+    message cannot duplicate it, and nobody is left out."""
+    to, cc, bcc = "to@example.com", "cc@example.com", "audit@example.com"
+    server.handler.rcpt_replies[cc] = "450 4.2.0 greylisted"
+    sender = make_sender(server.port)
+    message = outgoing(4, to=[to], cc=[cc], bcc=[bcc])
+
+    outcome = sender.send(message)
+
+    assert isinstance(outcome, Transient)
+    assert outcome.code == "smtp_recipient_deferred"
+    assert not outcome.throttled
+    assert outcome.message == (
+        "1 of 3 recipient(s) deferred, nothing sent; first: 450 4.2.0 greylisted"
+    )
+    assert server.handler.received == []  # no DATA: the server queued nothing
+    assert server.handler.rsets == 1  # the transaction was reset instead
+    assert sender.open_connections == 1  # and the connection is kept
+
+    server.handler.rcpt_replies.clear()  # the greylisting window has passed
+    retry = sender.send(replace(message, attempt=2))
+
+    (got,) = server.handler.received
+    assert got.rcpt_tos == [to, cc, bcc]
+    assert retry == Accepted(provider_message_id=got.message["Message-ID"])
+    assert len({got.peer for got in server.handler.received}) == 1
+
+
+def test_a_deferral_and_a_refusal_together_defer_the_whole_message(server, make_sender):
+    server.handler.rcpt_replies["gone@example.com"] = "550 5.1.1 no such user"
+    server.handler.rcpt_replies["later@example.com"] = "451 4.7.1 try again later"
+    sender = make_sender(server.port)
+
+    outcome = sender.send(
+        outgoing(5, to=["ok@example.com"], cc=["gone@example.com", "later@example.com"])
+    )
+
+    assert isinstance(outcome, Transient)
+    assert outcome.code == "smtp_recipient_deferred"
+    assert outcome.message == (
+        "1 of 3 recipient(s) deferred, 1 refused, nothing sent; first: 451 4.7.1 try again later"
+    )
+    assert server.handler.received == []
+
+
+def test_a_permanently_refused_cc_does_not_stop_the_to_and_is_reported(server, make_sender, caplog):
+    """A 5xx for one recipient and none deferred: the others get the message, and the outcome
+    names who did not (the log line does not: it names no address)."""
     server.handler.rcpt_replies["gone@example.com"] = "550 5.1.1 no such user"
     sender = make_sender(server.port)
     caplog.set_level(logging.WARNING, logger="relay")
 
-    outcome = sender.send(outgoing(3, to=["ok@example.com", "gone@example.com"]))
+    outcome = sender.send(outgoing(3, to=["ok@example.com"], cc=["gone@example.com"]))
 
     (got,) = server.handler.received
     assert got.rcpt_tos == ["ok@example.com"]
-    assert outcome == Accepted(provider_message_id=got.message["Message-ID"])
+    assert outcome == Accepted(
+        provider_message_id=got.message["Message-ID"],
+        refused=("gone@example.com: 550 5.1.1 no such user",),
+    )
     (record,) = [r for r in caplog.records if getattr(r, "action", None) == "smtp_partial_refusal"]
     assert record.levelno == logging.WARNING
     assert record.message_id == 3
     assert "1 of 2" in record.getMessage()
     assert "gone@example.com" not in record.getMessage()
+
+
+def test_a_connection_lost_at_rcpt_is_transient_and_sends_nothing(server, make_sender):
+    server.handler.rcpt_replies["cc@example.com"] = "drop"
+    sender = make_sender(server.port)
+
+    outcome = sender.send(outgoing(6, to=["to@example.com"], cc=["cc@example.com"]))
+
+    assert isinstance(outcome, Transient)
+    assert outcome.code == "smtp_connection_lost"
+    assert server.handler.received == []
+    server.handler.rcpt_replies.clear()
+    assert isinstance(sender.send(outgoing(7)), Accepted)  # on a new connection
 
 
 # -- lost answers: before and after DATA ----------------------------------------------------
@@ -731,6 +802,107 @@ def test_relay_pauses_on_bad_credentials_and_resumes(backend, start_server, make
     assert [row.status for row in rows(backend.engine)] == [Status.SENT] * len(ids)
     assert [row.attempt_count for row in rows(backend.engine)] == [1] * len(ids)
     assert len(server.handler.received) == len(ids)
+
+
+class Recording:
+    """Wraps a sender and keeps every outcome it returned to the relay."""
+
+    def __init__(self, sender: SmtpSender) -> None:
+        self.sender = sender
+        self.name = sender.name
+        self.outcomes: list[object] = []
+
+    def send(self, message: OutgoingMessage):
+        outcome = self.sender.send(message)
+        self.outcomes.append(outcome)
+        return outcome
+
+
+QUICK = Outbox(categories=[Category(name="quick", backoff_base=0.01, backoff_cap=0.01)])
+
+
+def enqueue_one(engine, mail: Email) -> int:
+    with DbSession(engine) as session:
+        message_id = QUICK.enqueue(session, mail, key="smtp-e2e:one", category="quick").id
+        session.commit()
+    return message_id
+
+
+def attempt_rows(engine):
+    with engine.connect() as conn:
+        return conn.execute(sa.select(attempts).order_by(attempts.c.id)).all()
+
+
+@dataclass
+class Greylisting(Handler):
+    """Answers 450 to the first RCPT for each address in ``greylist``, 250 from then on."""
+
+    greylist: set[str] = field(default_factory=set)
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+        if address in self.greylist:
+            self.greylist.discard(address)
+            return "450 4.2.0 greylisted, try again later"
+        return await super().handle_RCPT(server, session, envelope, address, rcpt_options)
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_relay_retries_a_greylisted_message_and_delivers_it_to_everyone_once(
+    backend, start_server, make_sender
+):
+    to, cc = "to@example.com", "cc@example.com"
+    server = start_server(Greylisting(greylist={cc}))
+    message_id = enqueue_one(
+        backend.engine, Email(sender="shop@example.com", to=[to], cc=[cc], subject="s", text="t")
+    )
+    relay = relay_for(backend, make_sender(server.port))
+    runner = threading.Thread(target=relay.run)
+    runner.start()
+    try:
+        wait_for(lambda: rows(backend.engine)[0].status == Status.SENT)
+    finally:
+        relay.request_stop()
+        runner.join(15)
+    assert not runner.is_alive()
+
+    (row,) = rows(backend.engine)
+    assert row.attempt_count == 2
+    (got,) = server.handler.received
+    assert got.rcpt_tos == [to, cc]
+    assert int(got.message[OUTBOX_ID_HEADER]) == message_id
+    assert row.provider_message_id == got.message["Message-ID"]
+    first, second = attempt_rows(backend.engine)
+    assert (first.outcome, first.error_code) == ("transient", "smtp_recipient_deferred")
+    assert first.error_message == (
+        "1 of 2 recipient(s) deferred, nothing sent; first: 450 4.2.0 greylisted, try again later"
+    )
+    assert second.outcome == "accepted"
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_relay_sends_to_the_to_when_a_cc_is_refused_for_good(backend, server, make_sender):
+    to, cc = "to@example.com", "gone@example.com"
+    enqueue_one(
+        backend.engine, Email(sender="shop@example.com", to=[to], cc=[cc], subject="s", text="t")
+    )
+    server.handler.rcpt_replies[cc] = "550 5.1.1 no such user"
+    sender = Recording(make_sender(server.port))
+
+    relay_for(backend, sender, exit_when_idle=True).run()
+
+    (row,) = rows(backend.engine)
+    assert (row.status, row.attempt_count) == (Status.SENT, 1)
+    (got,) = server.handler.received
+    assert got.rcpt_tos == [to]
+    (outcome,) = sender.outcomes
+    assert outcome == Accepted(
+        provider_message_id=row.provider_message_id,
+        refused=("gone@example.com: 550 5.1.1 no such user",),
+    )
+    (attempt,) = attempt_rows(backend.engine)  # where an operator sees who did not get it
+    assert (attempt.outcome, attempt.error_code) == ("accepted", "recipients_refused")
+    assert "gone@example.com: 550 5.1.1 no such user" in attempt.error_message
+    assert attempt.provider_message_id == row.provider_message_id
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)

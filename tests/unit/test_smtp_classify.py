@@ -41,6 +41,7 @@ CASES = [
     ),
     (ssl.SSLError(1, "wrong version number"), False, Transient, "smtp_tls_error"),
     (smtplib.SMTPConnectError(421, b"too busy"), False, Transient, "smtp_421"),
+    (smtplib.SMTPHeloError(421, b"closing"), False, Transient, "smtp_421"),
     (smtplib.SMTPConnectError(554, b"no service"), False, Transient, "smtp_554"),
     (smtplib.SMTPConnectError(-1, b"garbled greeting"), False, Transient, "smtp_connect_failed"),
     (smtplib.SMTPHeloError(501, b"bad hostname"), False, Transient, "smtp_501"),
@@ -75,9 +76,14 @@ CASES = [
     (smtplib.SMTPSenderRefused(553, b"not yours", A), False, Permanent, "smtp_553"),
     (smtplib.SMTPSenderRefused(451, b"try later", A), False, Transient, "smtp_451"),
     (smtplib.SMTPSenderRefused(421, b"closing", A), False, Transient, "smtp_421"),
+    # recipients: any refused for now defers the whole message (nothing was sent)
     (refused(a=550, b=553), False, Permanent, "smtp_550"),
-    (refused(a=550, b=451), False, Transient, "smtp_451"),
+    (refused(a=450), False, Transient, "smtp_recipient_deferred"),
+    (refused(a=550, b=451), False, Transient, "smtp_recipient_deferred"),
+    (refused(a=452, b=550), False, Transient, "smtp_recipient_deferred"),
     (refused(a=421), False, Transient, "smtp_421"),
+    (refused(a=450, b=421), False, Transient, "smtp_421"),
+    (refused(a=550, b=-1), False, Transient, "smtp_recipients_refused"),
     (refused(), False, Transient, "smtp_recipients_refused"),
     (smtplib.SMTPDataError(554, b"spam"), True, Permanent, "smtp_554"),
     (smtplib.SMTPDataError(552, b"too big"), True, Permanent, "smtp_552"),
@@ -140,6 +146,46 @@ def test_a_refused_sender_is_a_config_error_a_refused_recipient_is_not():
     assert not too_big.config_error
     assert isinstance(recipient, Permanent)
     assert not recipient.config_error
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        smtplib.SMTPConnectError(421, b"4.7.0 too many connections"),
+        smtplib.SMTPSenderRefused(421, b"4.7.0 slow down", A),
+        refused(a=450, b=421),
+        smtplib.SMTPDataError(421, b"4.3.2 closing"),
+    ],
+    ids=["greeting", "mail", "rcpt", "data"],
+)
+def test_a_server_closing_the_connection_with_421_throttles(exc):
+    """421 is the server shedding load: the relay slows down, not only this message."""
+    outcome = classify(exc, data_sent=False)
+    assert isinstance(outcome, Transient)
+    assert outcome.throttled
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        refused(a=450),  # greylisting: one sender/recipient pair, not the relay's rate
+        refused(a=452),  # too many recipients, or a full mailbox: slowing down does not help
+        smtplib.SMTPSenderRefused(451, b"try later", A),
+        smtplib.SMTPDataError(451, b"local error"),
+        smtplib.SMTPAuthenticationError(454, b"4.7.0 try later"),
+    ],
+)
+def test_other_temporary_replies_do_not_throttle(exc):
+    outcome = classify(exc, data_sent=False)
+    assert isinstance(outcome, Transient)
+    assert not outcome.throttled
+
+
+def test_a_deferral_names_the_temporary_reply_first():
+    outcome = classify(refused(a=550, b=451), data_sent=False)
+    assert outcome.message == "1 recipient(s) deferred, 1 refused, nothing sent; first: 451 reply"
+    outcome = classify(refused(a=452, b=450), data_sent=False)
+    assert outcome.message == "2 recipient(s) deferred, nothing sent; first: 452 reply"
 
 
 def test_messages_carry_the_reply_and_stay_short():
