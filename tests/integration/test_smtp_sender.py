@@ -68,6 +68,7 @@ class Handler:
     after_data: str | None = None  # "drop": close without a reply; "hang": never reply
     release: asyncio.Event | None = None  # set at teardown to let hanging sessions end
     rsets: int = 0
+    drop_at_rset: bool = False  # close the connection instead of answering the next RSET
 
     async def handle_MAIL(self, server, session, envelope, address, mail_options):
         if self.mail_reply:
@@ -89,6 +90,10 @@ class Handler:
 
     async def handle_RSET(self, server, session, envelope):
         self.rsets += 1
+        if self.drop_at_rset:
+            self.drop_at_rset = False
+            assert server.transport is not None
+            server.transport.close()
         return "250 OK"
 
     async def handle_DATA(self, server: SMTPServer, session: Session, envelope: Envelope):
@@ -493,6 +498,24 @@ def test_a_greylisted_recipient_defers_the_whole_message_before_data(server, mak
     assert got.rcpt_tos == [to, cc, bcc]
     assert retry == Accepted(provider_message_id=got.message["Message-ID"])
     assert len({got.peer for got in server.handler.received}) == 1
+
+
+def test_a_deferral_stands_when_the_server_hangs_up_at_rset(server, make_sender):
+    server.handler.rcpt_replies["cc@example.com"] = "450 4.2.0 greylisted"
+    server.handler.drop_at_rset = True
+    sender = make_sender(server.port)
+    message = outgoing(8, to=["to@example.com"], cc=["cc@example.com"])
+
+    outcome = sender.send(message)
+
+    assert isinstance(outcome, Transient)
+    assert outcome.code == "smtp_recipient_deferred"
+    assert server.handler.received == []
+    assert sender.open_connections == 0  # closed, not reused in an unknown state
+    server.handler.rcpt_replies.clear()
+    assert isinstance(sender.send(replace(message, attempt=2)), Accepted)
+    (got,) = server.handler.received
+    assert got.rcpt_tos == ["to@example.com", "cc@example.com"]
 
 
 def test_a_deferral_and_a_refusal_together_defer_the_whole_message(server, make_sender):
