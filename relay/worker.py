@@ -940,14 +940,20 @@ def _end_idle_transactions(conn: sa.Connection, seconds: float) -> None:
     """Have the server end this session's transaction if it sits idle for ``seconds`` (the
     lease). A relay frozen inside a transaction (a stopped process, a paused VM) would
     otherwise keep its rows locked, and out of every other relay's sweep, until it woke.
-    PostgreSQL: ``idle_in_transaction_session_timeout``; MariaDB: ``idle_transaction_timeout``
-    (MySQL has no such setting). The relay's own transactions last milliseconds."""
+    PostgreSQL: ``idle_in_transaction_session_timeout``; MariaDB: ``idle_transaction_timeout``.
+    MySQL has no such setting: there the session's ``wait_timeout`` (idle, in a transaction or
+    not) is set to the lease, which the loop's connection never reaches while the relay is
+    alive (it runs a statement at least every heartbeat interval, a quarter of the lease). The
+    relay's own transactions last milliseconds."""
+    timeout = max(1, math.ceil(seconds))
     if conn.dialect.name == "postgresql":
         conn.exec_driver_sql(
             f"SET idle_in_transaction_session_timeout = {max(1, int(seconds * 1000))}"
         )
     elif getattr(conn.dialect, "is_mariadb", False):
-        conn.exec_driver_sql(f"SET SESSION idle_transaction_timeout = {max(1, math.ceil(seconds))}")
+        conn.exec_driver_sql(f"SET SESSION idle_transaction_timeout = {timeout}")
+    elif conn.dialect.name == "mysql":
+        conn.exec_driver_sql(f"SET SESSION wait_timeout = {timeout}")
     conn.commit()
 
 
