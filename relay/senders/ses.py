@@ -1,15 +1,31 @@
 """Delivery through Amazon SES v2 ``SendEmail``.
 
 SES has no idempotency token, so the one thing this sender must get right is telling "SES did
-not take it" (safe to retry) from "SES may have taken it" (ambiguous). The rule, in
-:func:`classify`:
+not take it" (safe to retry) from "SES may have taken it" (ambiguous). It decides by **what
+left the process**, not by the exception's type: botocore's event hooks record, per call, how
+far the call got (:class:`Progress`), and :func:`classify` reads the exception in that light.
 
-* SES **answered** with an error: it did not accept the message. Throttling and 5xx are
-  transient, account-level stops (paused, suspended, bad credentials, daily quota) pause the
-  relay without using attempts, configuration errors and rejections are permanent. An error
-  code this table does not know is transient if its HTTP status is 429 or 5xx, else permanent.
-* **No answer** came: if the connection was never made, the request never left (transient);
-  if it was made and then timed out or closed, SES may have accepted it (ambiguous).
+* **Nothing sent** (``before-send`` never fired) is never ambiguous. Failing while the request
+  was prepared (parameter validation, serialization) is the message's fault: a bad parameter is
+  permanent, anything else transient. Failing while it was signed means no usable credentials
+  (none configured, or a refresh from IMDS, ECS, STS or a credential process that failed, an
+  STS ``ClientError`` included): that stops every message alike and is usually a short
+  hiccup, so the relay pauses and probes instead of using up attempts.
+* **Sent, provably never written**: urllib3 could not open the connection (refused, DNS,
+  connect timeout, proxy unreachable) or the TLS handshake failed (a certificate the client
+  does not trust, a handshake broken or timed out: the request is written only after it).
+  Transient.
+* **Sent and SES answered** with its own error (a ``ClientError`` for ``SendEmail`` that
+  carries SES's error code, from ``x-amzn-ErrorType`` or the body, and its request id): SES
+  did not accept the message. Throttling and 5xx are transient, account-level stops (paused,
+  suspended, bad credentials, daily quota) pause the relay without using attempts,
+  configuration errors and rejections are permanent. An error code this table does not know
+  is transient if its HTTP status is 429 or 5xx, else permanent. A success is SES's only with
+  its ``MessageId``.
+* **Sent, and no answer or not SES's**: a read timeout, a closed connection, a TLS error while
+  reading the answer, a 502 or 504 (or any status) from a proxy or load balancer without SES's
+  error code and request id, a 200 without a ``MessageId``, an exception this module does not
+  know: SES may have accepted the message (ambiguous).
 
 botocore's own retries are off (``total_max_attempts=1``): it would otherwise retry read
 timeouts, which is exactly how a duplicate email is born.
@@ -17,10 +33,14 @@ timeouts, which is exactly how a duplicate email is born.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+import ssl
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import boto3
 import botocore.exceptions as bex
@@ -43,6 +63,7 @@ else:
     SESV2Client = Any
 
 __all__ = [
+    "Progress",
     "SesSender",
     "build_client",
     "build_request",
@@ -89,41 +110,119 @@ MISCONFIGURED = frozenset(
 DAILY_QUOTA = "daily message quota exceeded"
 
 
-def classify(exc: BaseException) -> Outcome:
-    """What an exception from ``sesv2.send_email`` means for the message. Pure."""
+class Progress(enum.Enum):
+    """How far one ``SendEmail`` call got, as botocore's event hooks saw it."""
+
+    PREPARING = "preparing"  # parameters validated and serialized: nothing signed, nothing sent
+    SIGNING = "signing"  # credentials fetched (refreshed when due) and the request signed
+    SENT = "sent"  # handed to the HTTP layer: from here on SES may have it
+
+
+def classify(exc: BaseException, *, progress: Progress) -> Outcome:
+    """What an exception from ``sesv2.send_email`` means for the message, given how far the
+    call got (see the module docstring for the rule). Pure."""
+    text = str(exc)
+    if _is_ses_answer(exc):  # an answer to SendEmail: it was sent, whatever was recorded
+        return _answer(exc)
+    if progress is Progress.PREPARING:
+        if isinstance(exc, bex.ParamValidationError):
+            return Permanent(code="InvalidRequest", message=text)
+        return Transient(code=_code(exc), message=text)
+    if progress is Progress.SIGNING:
+        return Disabled(code=_code(exc), message=text, pause=True)
+    if type(exc) in _NEVER_CONNECTED:
+        return Transient(code=type(exc).__name__, message=text)
+    if any(_raised_in_tls_handshake(e) for e in _wrapped(exc)):
+        return Transient(
+            code=type(exc).__name__, message=f"{text} (in the TLS handshake: nothing was sent)"
+        )
     if isinstance(exc, bex.ClientError):
-        error = exc.response.get("Error", {})
-        code = str(error.get("Code") or "Unknown")
-        text = str(error.get("Message") or "")
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        if DAILY_QUOTA in text.lower():
-            return Disabled(code="DailyQuotaExceeded", message=text, pause=True)
-        if code in THROTTLING or status == 429:
-            return Transient(code=code, message=text, throttled=True)
-        if code in PAUSED or code in CREDENTIALS:
-            return Disabled(code=code, message=text, pause=True)
-        if code in MISCONFIGURED:
-            return Permanent(code=code, message=text, config_error=True)
-        if code in REJECTED:
-            return Permanent(code=code, message=text)
-        if status >= 500:
-            return Transient(code=code, message=text)
+        return Ambiguous(
+            code=f"http_{status}",
+            message=f"HTTP {status} without SES's error code and request id: {text}",
+        )
+    return Ambiguous(code=type(exc).__name__, message=text)
+
+
+# botocore raises these (exactly these: a subclass may mean something new) for errors urllib3
+# raised while opening a connection, so before anything was written
+_NEVER_CONNECTED = frozenset(
+    {bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ProxyConnectionError}
+)
+
+
+def _answer(exc: bex.ClientError) -> Outcome:
+    """SES's own error answer: it did not accept the message."""
+    error = exc.response.get("Error", {})
+    code = str(error.get("Code") or "Unknown")
+    text = str(error.get("Message") or "")
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    if DAILY_QUOTA in text.lower():
+        return Disabled(code="DailyQuotaExceeded", message=text, pause=True)
+    if code in THROTTLING or status == 429:
+        return Transient(code=code, message=text, throttled=True)
+    if code in PAUSED or code in CREDENTIALS:
+        return Disabled(code=code, message=text, pause=True)
+    if code in MISCONFIGURED:
+        return Permanent(code=code, message=text, config_error=True)
+    if code in REJECTED:
         return Permanent(code=code, message=text)
-    if isinstance(exc, bex.NoCredentialsError | bex.PartialCredentialsError):
-        return Disabled(code=type(exc).__name__, message=str(exc), pause=True)
-    if isinstance(exc, bex.ParamValidationError):
-        return Permanent(code="InvalidRequest", message=str(exc))
-    # Never connected: the request cannot have reached SES.
-    if isinstance(
-        exc,
-        bex.ConnectTimeoutError
-        | bex.EndpointConnectionError
-        | bex.ProxyConnectionError
-        | bex.SSLError,
-    ):
-        return Transient(code=type(exc).__name__, message=str(exc))
-    # Connected, then no (complete) answer: SES may have accepted it.
-    return Ambiguous(code=type(exc).__name__, message=str(exc))
+    if status >= 500:
+        return Transient(code=code, message=text)
+    return Permanent(code=code, message=text)
+
+
+def _is_ses_answer(exc: BaseException) -> TypeGuard[bex.ClientError]:
+    """A ``ClientError`` for ``SendEmail`` with SES's request id and an error code that SES
+    named. Without an ``x-amzn-ErrorType`` header or a typed JSON body botocore falls back to
+    the bare HTTP status as the code ("502"): that answer came from something else."""
+    if not isinstance(exc, bex.ClientError) or exc.operation_name != "SendEmail":
+        return False
+    code = str(exc.response.get("Error", {}).get("Code") or "")
+    request_id = exc.response.get("ResponseMetadata", {}).get("RequestId")
+    return bool(request_id) and bool(code) and not code.isdigit()
+
+
+def _code(exc: BaseException) -> str:
+    if isinstance(exc, bex.ClientError):
+        return str(exc.response.get("Error", {}).get("Code") or type(exc).__name__)
+    return type(exc).__name__
+
+
+def _wrapped(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it wraps: botocore's ``error=``, urllib3's wrapped exception (an
+    argument), ``raise ... from``. Not ``__context__``: an unrelated error being handled when
+    this one was raised is no part of its story."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if any(current is s for s in seen):
+            continue
+        seen.append(current)
+        yield current
+        kwargs = getattr(current, "kwargs", None)
+        if isinstance(kwargs, dict) and isinstance(kwargs.get("error"), BaseException):
+            todo.append(kwargs["error"])
+        todo.extend(a for a in current.args if isinstance(a, BaseException))
+        if current.__cause__ is not None:
+            todo.append(current.__cause__)
+
+
+def _raised_in_tls_handshake(exc: BaseException) -> bool:
+    """True if ``exc`` is a certificate check failure, or was raised inside the ``ssl``
+    module's ``do_handshake``: the handshake of a new connection, which comes before the
+    request is written (Python's ssl sends no early data)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return True
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame
+    return frame.f_code.co_name == "do_handshake" and frame.f_globals.get("__name__") == "ssl"
 
 
 def build_request(
@@ -231,22 +330,52 @@ def build_client(
     return client
 
 
+class _Progress(threading.local):
+    """How far this thread's current ``SendEmail`` call got."""
+
+    def __init__(self) -> None:
+        self.reached = Progress.PREPARING
+
+
 class SesSender:
-    """Sends through SES v2; thread-safe (boto3 clients are)."""
+    """Sends through SES v2; thread-safe (boto3 clients are, and what a call reached is kept
+    per thread: a call runs on the thread that made it, hooks included)."""
 
     name = "ses"
 
     def __init__(self, client: SESV2Client, *, configuration_set: str | None = None) -> None:
         self.client = client
         self.configuration_set = configuration_set
+        self._progress = _Progress()
+        events = client.meta.events
+        events.register("before-sign.sesv2.SendEmail", self._signing)
+        events.register("before-send.sesv2.SendEmail", self._sending)
+        # needs-retry follows every attempt at sending, failed or not: should before-send ever
+        # go unheard, a request that went out is still counted as sent
+        events.register("needs-retry.sesv2.SendEmail", self._sending)
+
+    def _signing(self, **kwargs: Any) -> None:
+        self._progress.reached = Progress.SIGNING
+
+    def _sending(self, **kwargs: Any) -> None:
+        # returns None: botocore sends the request itself and decides on retries alone
+        self._progress.reached = Progress.SENT
 
     def send(self, message: OutgoingMessage) -> Outcome:
         request = build_request(message, configuration_set=self.configuration_set)
+        progress = self._progress
+        progress.reached = Progress.PREPARING
         try:
             response = self.client.send_email(**request)
         except Exception as exc:  # classified, never raised: see classify()
-            return classify(exc)
-        return Accepted(provider_message_id=response.get("MessageId"))
+            return classify(exc, progress=progress.reached)
+        message_id = response.get("MessageId")
+        if not message_id:  # a 200 from something that is not SES (a portal, a proxy)
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return Ambiguous(
+                code=f"http_{status}", message="a success answer without SES's MessageId"
+            )
+        return Accepted(provider_message_id=message_id)
 
     def max_send_rate(self) -> float | None:
         """The account's ``MaxSendRate`` (recipients per second), or None if SES (or an

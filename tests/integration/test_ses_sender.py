@@ -9,9 +9,14 @@ retry of a request SES may already have taken is how a duplicate email is born.
 from __future__ import annotations
 
 import base64
+import json
 import socket
+import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import botocore.exceptions as bex
 import pytest
 
 from outbox import Email
@@ -363,3 +368,149 @@ def test_build_client_takes_its_timeouts_and_pool_from_the_relay_settings(endpoi
     assert config.retries["total_max_attempts"] == 1
     assert client.meta.region_name == "us-east-1"
     assert client.meta.endpoint_url == "http://127.0.0.1:9"
+
+
+# -- credentials that fail while the request is being signed ------------------------------------
+
+CREDENTIAL_PROCESS = """\
+import datetime, json, pathlib, sys
+
+calls = pathlib.Path(sys.argv[1])
+calls.write_text(calls.read_text() + "call\\n" if calls.exists() else "call\\n")
+if calls.read_text().count("call") > 1:
+    sys.exit("the instance metadata service did not answer")
+expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=1)
+print(json.dumps({
+    "Version": 1,
+    "AccessKeyId": "testing",
+    "SecretAccessKey": "testing",
+    "SessionToken": "testing",
+    "Expiration": expires.strftime("%Y-%m-%dT%H:%M:%SZ"),
+}))
+"""
+
+
+def test_credentials_that_cannot_be_refreshed_pause_and_nothing_reaches_ses(
+    ses, endpoint, monkeypatch, tmp_path
+):
+    """A ``credential_process`` gave credentials expiring within a minute, then fails, as an
+    IMDS, ECS or IRSA refresh can: botocore refreshes them all alike while it signs the send,
+    and raises ``CredentialRetrievalError`` before a byte leaves. Not ambiguous: SES cannot
+    have the message."""
+    endpoint(ses.url)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    script, calls = tmp_path / "credentials.py", tmp_path / "calls"
+    script.write_text(CREDENTIAL_PROCESS)
+    config = tmp_path / "aws-config"
+    config.write_text(f"[default]\ncredential_process = {sys.executable} {script} {calls}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    sender = SesSender(build_client(send_timeout=SEND_TIMEOUT, concurrency=1))
+    assert calls.read_text().count("call") == 1  # credentials at start, good for a minute
+
+    outcome = sender.send(message(15))
+
+    assert calls.read_text().count("call") == 2  # the refresh was tried, and failed
+    assert ses.sends == []
+    assert ses.other_requests == 0
+    assert isinstance(outcome, Disabled), outcome
+    assert outcome.pause
+    assert outcome.code == "CredentialRetrievalError"
+
+
+class _StsRefusal(BaseHTTPRequestHandler):
+    """STS answering ``AssumeRoleWithWebIdentity`` with its own 400 error."""
+
+    calls: list[bytes]
+
+    def do_POST(self) -> None:
+        self.calls.append(self.rfile.read(int(self.headers["Content-Length"])))
+        body = (
+            b'<ErrorResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+            b"<Error><Type>Sender</Type><Code>InvalidIdentityToken</Code>"
+            b"<Message>Couldn't retrieve verification key from your identity provider</Message>"
+            b"</Error><RequestId>7d1e2f3a-sts</RequestId></ErrorResponse>"
+        )
+        self.send_response(400)
+        self.send_header("Content-Type", "text/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def sts():
+    calls: list[bytes] = []
+    handler = type("Handler", (_StsRefusal,), {"calls": calls})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", calls
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+def test_an_sts_error_while_refreshing_web_identity_credentials_is_not_an_ses_answer(
+    ses, endpoint, monkeypatch, tmp_path, sts
+):
+    """IRSA: credentials come from ``AssumeRoleWithWebIdentity``, fetched when the send is
+    signed. STS's 400 is a ``ClientError`` like SES's own, but from another call, before the
+    SES request existed: neither a refusal of the message nor ambiguous."""
+    sts_url, sts_calls = sts
+    endpoint(ses.url)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    token = tmp_path / "web-identity-token"
+    token.write_text("eyJhbGciOiJSUzI1NiJ9.e30.c2lnbmF0dXJl")
+    monkeypatch.setenv("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/outbox-relay")
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(token))
+    monkeypatch.setenv("AWS_ENDPOINT_URL_STS", sts_url)
+    sender = SesSender(build_client(send_timeout=SEND_TIMEOUT, concurrency=1))
+    assert sts_calls == []  # botocore fetches these credentials only when it first signs
+
+    outcome = sender.send(message(16))
+
+    assert len(sts_calls) >= 1
+    assert b"Action=AssumeRoleWithWebIdentity" in sts_calls[0]
+    assert ses.sends == []
+    assert ses.other_requests == 0
+    assert isinstance(outcome, Disabled), outcome
+    assert outcome.pause
+    assert outcome.code == "InvalidIdentityToken"
+    assert "AssumeRoleWithWebIdentity" in outcome.message
+
+
+def test_how_far_a_call_got_is_kept_per_thread(ses, sender, moto):
+    """One client serves every send thread. While one thread's request is out, waiting for an
+    answer that never comes, another thread's send fails while it is signed: each must be
+    classified by how far its own call got (the first ambiguous, the second a pause)."""
+    ses.plan.script("hang")
+
+    def refuse_to_sign_18(request, **kwargs):
+        tags = {t["Name"]: t["Value"] for t in json.loads(request.body)["EmailTags"]}
+        if tags["outbox_message_id"] == "18":
+            raise bex.CredentialRetrievalError(provider="test", error_msg="no credentials")
+
+    sender.client.meta.events.register("before-sign.sesv2.SendEmail", refuse_to_sign_18)
+    outcomes = {}
+    first = threading.Thread(target=lambda: outcomes.update({17: sender.send(message(17))}))
+    first.start()
+    deadline = time.monotonic() + 5
+    while not ses.sends and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [s.outbox_id for s in ses.sends] == [17]  # the first request is out, unanswered
+    outcomes[18] = sender.send(message(18))
+    first.join(10)
+
+    assert isinstance(outcomes[17], Ambiguous), outcomes[17]
+    assert outcomes[17].code == "ReadTimeoutError"
+    assert outcomes[18] == Disabled(
+        code="CredentialRetrievalError",
+        message="Error when retrieving credentials from test: no credentials",
+        pause=True,
+    )
+    assert [s.outbox_id for s in ses.sends] == [17]

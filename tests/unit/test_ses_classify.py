@@ -1,23 +1,67 @@
-"""The SES error table: every class of answer (or silence) and what it means for a message."""
+"""The SES error table: every class of answer (or silence) and what it means for a message,
+given how far the call got (:class:`Progress`)."""
 
 from __future__ import annotations
 
+import contextlib
+import ssl
+
 import botocore.exceptions as bex
 import pytest
+import urllib3.exceptions
 
 from outbox import Attachment, Email
 from relay.senders import Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
-from relay.senders.ses import build_request, classify
+from relay.senders.ses import Progress, build_request, classify
+
+PREPARING, SIGNING, SENT = Progress.PREPARING, Progress.SIGNING, Progress.SENT
+URL = "https://email.us-east-1.amazonaws.com/v2/email/outbound-emails"
 
 
-def client_error(code: str, status: int, message: str = "") -> bex.ClientError:
+def client_error(
+    code: str,
+    status: int,
+    message: str = "",
+    *,
+    request_id: str | None = "a1b2c3d4-5678-90ab-cdef-111111111111",
+    operation: str = "SendEmail",
+) -> bex.ClientError:
+    """A ``ClientError`` as botocore builds it from an error answer; by default SES's own
+    (its error code and its request id)."""
+    metadata: dict = {"HTTPStatusCode": status}
+    if request_id is not None:
+        metadata["RequestId"] = request_id
     return bex.ClientError(
-        {
-            "Error": {"Code": code, "Message": message},
-            "ResponseMetadata": {"HTTPStatusCode": status},
-        },
-        "SendEmail",
+        {"Error": {"Code": code, "Message": message}, "ResponseMetadata": metadata}, operation
     )
+
+
+def foreign_answer(status: int, reason: str) -> bex.ClientError:
+    """What botocore makes of an answer without SES's error shape (a proxy's HTML 502): the
+    bare status as the code, the reason phrase as the message, no request id."""
+    return client_error(str(status), status, reason, request_id=None)
+
+
+def handshake_failure() -> ssl.SSLError:
+    """A real TLS handshake failure, raised inside ``ssl``'s ``do_handshake``: the client
+    hello answered in plain HTTP."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(
+        incoming, outgoing, server_hostname="email.us-east-1.amazonaws.com"
+    )
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()  # the client hello, into ``outgoing``
+    incoming.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    try:
+        tls.do_handshake()
+    except ssl.SSLError as exc:
+        return exc
+    raise AssertionError("the handshake did not fail")
+
+
+def ssl_error(error: BaseException) -> bex.SSLError:
+    """botocore's ``SSLError`` around urllib3's, around the ``ssl`` module's, as raised."""
+    return bex.SSLError(endpoint_url=URL, error=urllib3.exceptions.SSLError(error))
 
 
 @pytest.mark.parametrize(
@@ -91,30 +135,180 @@ def client_error(code: str, status: int, message: str = "") -> bex.ClientError:
     ),
 )
 def test_answers_from_ses(error, expected):
-    assert classify(error) == expected
+    assert classify(error, progress=SENT) == expected
+
+
+def test_an_answer_to_send_email_is_one_whatever_progress_was_recorded():
+    """An answer means the request was sent: a hook that did not fire cannot make SES's own
+    refusal look like a local failure."""
+    error = client_error("MessageRejected", 400, "Email address is not verified.")
+    expected = Permanent(code="MessageRejected", message="Email address is not verified.")
+    assert classify(error, progress=PREPARING) == expected
+    assert classify(error, progress=SIGNING) == expected
+
+
+class NovelError(Exception):
+    """An exception class this module has never heard of."""
+
+
+class NovelConnectionError(bex.EndpointConnectionError):
+    """A botocore subclass of a "never connected" error that may one day mean more."""
+
+
+SENT_BUT_NO_ANSWER_OF_SES = [
+    pytest.param(bex.ReadTimeoutError(endpoint_url=URL), "ReadTimeoutError", id="read-timeout"),
+    pytest.param(bex.ConnectionClosedError(endpoint_url=URL), "ConnectionClosedError", id="closed"),
+    pytest.param(bex.HTTPClientError(error="boom"), "HTTPClientError", id="http-client-error"),
+    pytest.param(bex.ResponseStreamingError(error="cut"), "ResponseStreamingError", id="cut"),
+    pytest.param(
+        ssl_error(ssl.SSLError(1, "[SSL: DECRYPTION_FAILED_OR_BAD_RECORD_MAC] bad record mac")),
+        "SSLError",
+        id="tls-error-reading-the-answer",
+    ),
+    pytest.param(
+        bex.SSLError(endpoint_url=URL, error="handshake"), "SSLError", id="tls-error-no-detail"
+    ),
+    pytest.param(foreign_answer(502, "Bad Gateway"), "http_502", id="502-from-a-proxy"),
+    pytest.param(foreign_answer(504, "Gateway Timeout"), "http_504", id="504-from-a-proxy"),
+    pytest.param(foreign_answer(503, "Service Unavailable"), "http_503", id="503-no-ses-shape"),
+    pytest.param(foreign_answer(400, "Bad Request"), "http_400", id="400-no-ses-shape"),
+    pytest.param(
+        client_error("InternalFailure", 500, request_id=None),
+        "http_500",
+        id="ses-code-without-request-id",
+    ),
+    pytest.param(
+        client_error("503", 503, "upstream down"), "http_503", id="request-id-but-no-ses-code"
+    ),
+    pytest.param(
+        client_error("InvalidIdentityToken", 400, operation="AssumeRoleWithWebIdentity"),
+        "http_400",
+        id="another-operations-answer-after-sending",
+    ),
+    pytest.param(RuntimeError("unexpected"), "RuntimeError", id="runtime-error"),
+    pytest.param(NovelError("new"), "NovelError", id="a-new-exception-class"),
+    pytest.param(
+        NovelConnectionError(endpoint_url=URL), "NovelConnectionError", id="a-new-subclass"
+    ),
+    pytest.param(bex.NoCredentialsError(), "NoCredentialsError", id="credentials-after-sending"),
+]
+
+
+@pytest.mark.parametrize(("error", "code"), SENT_BUT_NO_ANSWER_OF_SES)
+def test_sent_and_no_answer_of_ses_is_ambiguous(error, code):
+    outcome = classify(error, progress=SENT)
+    assert isinstance(outcome, Ambiguous), outcome
+    assert outcome.code == code
+
+
+SENT_BUT_NEVER_WRITTEN = [
+    pytest.param(bex.ConnectTimeoutError(endpoint_url=URL), id="connect-timeout"),
+    pytest.param(bex.EndpointConnectionError(endpoint_url=URL), id="refused-or-dns"),
+    pytest.param(bex.ProxyConnectionError(proxy_url="http://proxy"), id="proxy-unreachable"),
+    pytest.param(
+        ssl_error(ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED]")),
+        id="certificate-not-trusted",
+    ),
+    pytest.param(ssl_error(handshake_failure()), id="handshake-failed"),
+    pytest.param(
+        bex.ConnectionClosedError(
+            endpoint_url=URL,
+            error=urllib3.exceptions.ProtocolError("Connection aborted.", handshake_failure()),
+        ),
+        id="closed-in-the-handshake",
+    ),
+]
+
+
+@pytest.mark.parametrize("error", SENT_BUT_NEVER_WRITTEN)
+def test_sent_but_provably_never_written_is_transient(error):
+    outcome = classify(error, progress=SENT)
+    assert outcome == Transient(code=type(error).__name__, message=outcome.message)
+    assert not outcome.throttled
+
+
+CREDENTIAL_FAILURES = [
+    pytest.param(bex.NoCredentialsError(), "NoCredentialsError", id="none"),
+    pytest.param(
+        bex.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY"),
+        "PartialCredentialsError",
+        id="partial",
+    ),
+    pytest.param(
+        bex.CredentialRetrievalError(provider="container-role", error_msg="timed out"),
+        "CredentialRetrievalError",
+        id="retrieval-ecs",
+    ),
+    pytest.param(
+        bex.MetadataRetrievalError(error_msg="IMDS unreachable"),
+        "MetadataRetrievalError",
+        id="retrieval-imds",
+    ),
+    pytest.param(
+        client_error("InvalidIdentityToken", 400, operation="AssumeRoleWithWebIdentity"),
+        "InvalidIdentityToken",
+        id="sts-400-during-refresh",
+    ),
+    pytest.param(
+        client_error("Throttling", 400, "Rate exceeded", operation="AssumeRole"),
+        "Throttling",
+        id="sts-throttled-during-refresh",
+    ),
+    pytest.param(
+        bex.EndpointConnectionError(endpoint_url="https://sts.us-east-1.amazonaws.com/"),
+        "EndpointConnectionError",
+        id="sts-unreachable",
+    ),
+    pytest.param(
+        RuntimeError(
+            "Credentials were refreshed, but the refreshed credentials are still expired."
+        ),
+        "RuntimeError",
+        id="refreshed-yet-expired",
+    ),
+]
+
+
+@pytest.mark.parametrize(("error", "code"), CREDENTIAL_FAILURES)
+def test_failing_while_signing_pauses_without_using_an_attempt(error, code):
+    """No credentials to sign with: every message would fail alike, and IMDS, ECS or STS
+    hiccups pass, so the relay pauses and probes rather than burn attempts."""
+    outcome = classify(error, progress=SIGNING)
+    assert outcome == Disabled(code=code, message=str(error), pause=True)
 
 
 @pytest.mark.parametrize(
-    ("error", "kind"),
+    ("error", "expected"),
     [
-        (bex.ConnectTimeoutError(endpoint_url="https://email.x"), Transient),
-        (bex.EndpointConnectionError(endpoint_url="https://email.x"), Transient),
-        (bex.ProxyConnectionError(proxy_url="http://proxy"), Transient),
-        (bex.SSLError(endpoint_url="https://email.x", error="handshake"), Transient),
-        (bex.ReadTimeoutError(endpoint_url="https://email.x"), Ambiguous),
-        (bex.ConnectionClosedError(endpoint_url="https://email.x"), Ambiguous),
-        (bex.HTTPClientError(error="boom"), Ambiguous),
-        (bex.ResponseStreamingError(error="cut"), Ambiguous),
-        (RuntimeError("unexpected"), Ambiguous),
-        (bex.NoCredentialsError(), Disabled),
-        (bex.ParamValidationError(report="bad"), Permanent),
+        pytest.param(
+            bex.ParamValidationError(report="bad"),
+            Permanent(code="InvalidRequest", message="Parameter validation failed:\nbad"),
+            id="invalid-parameters",
+        ),
+        pytest.param(
+            RuntimeError("serializer"),
+            Transient(code="RuntimeError", message="serializer"),
+            id="anything-else",
+        ),
+        pytest.param(
+            NovelError("new"), Transient(code="NovelError", message="new"), id="new-class"
+        ),
     ],
-    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else "",
 )
-def test_no_answer_is_transient_only_when_the_request_never_left(error, kind):
-    outcome = classify(error)
-    assert type(outcome) is kind
-    assert outcome.code == type(error).__name__ or kind is Permanent
+def test_failing_while_preparing_is_the_messages_own_problem(error, expected):
+    assert classify(error, progress=PREPARING) == expected
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(p.values[0], id=p.id)
+        for p in (*SENT_BUT_NO_ANSWER_OF_SES, *SENT_BUT_NEVER_WRITTEN, *CREDENTIAL_FAILURES)
+    ],
+)
+@pytest.mark.parametrize("progress", [PREPARING, SIGNING])
+def test_nothing_sent_is_never_ambiguous(error, progress):
+    assert not isinstance(classify(error, progress=progress), Ambiguous)
 
 
 def message(**kw) -> OutgoingMessage:
