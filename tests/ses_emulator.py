@@ -21,6 +21,11 @@ from a :class:`FaultPlan` (seeded, changeable at runtime from the test):
 * ``reset``: forward to moto, then reset the connection (RST, ``SO_LINGER`` 0);
 * ``reset_before``: reset the connection without forwarding.
 
+Scoped refusals, answered to every matching send while set on the plan: a configuration set in
+``plan.paused_sets`` gets 400 ``ConfigurationSetSendingPausedException``; a From address or
+domain in ``plan.denied_identities`` gets 403 ``AccessDeniedException`` naming the identity's
+resource, as SES words it.
+
 Error answers are restJson1: an ``x-amzn-ErrorType`` header, a ``{"message": ...}`` body, the
 status and a Content-Length, which is what botocore parses an error code from. Every
 ``SendEmail`` request is recorded as a :class:`SendRequest` (arrival time, behaviour, outbox
@@ -73,6 +78,8 @@ FAULTS = (
     "hang",
     "reset",
     "reset_before",
+    "config_set_paused",
+    "identity_denied",
 )
 FORWARDED = frozenset({"pass", "hang", "reset"})  # kinds whose request reaches moto
 
@@ -83,6 +90,17 @@ ERRORS = {
     "server_error": (500, "InternalFailure", "An internal failure occurred."),
     "rejected": (400, "MessageRejected", "Email address is on the suppression list."),
     "sending_paused": (400, "SendingPausedException", "Sending is paused for this account."),
+    "config_set_paused": (
+        400,
+        "ConfigurationSetSendingPausedException",
+        "Sending is paused for this configuration set.",
+    ),
+    "identity_denied": (
+        403,
+        "AccessDeniedException",
+        "User `arn:aws:iam::123456789012:user/relay' is not authorized to perform "
+        "`ses:SendEmail' on resource `arn:aws:ses:eu-west-1:123456789012:identity/{identity}'",
+    ),
 }
 _HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
@@ -174,6 +192,9 @@ class FaultPlan:
         self._lock = threading.Lock()
         self.hang_seconds = hang_seconds
         self.paused = False
+        # answered to every send with that ConfigurationSetName / From address (or domain)
+        self.paused_sets: set[str] = set()
+        self.denied_identities: set[str] = set()
         self._shares: dict[str, float] = {}
         self._script: list[str] = []
         self.set(**shares)
@@ -195,6 +216,16 @@ class FaultPlan:
                 raise ValueError(f"unknown fault kind {kind!r}")
         with self._lock:
             self._script.extend(kinds)
+
+    def scoped(self, request: dict[str, Any]) -> tuple[str, str] | None:
+        """The scoped refusal ``request`` gets, with the identity it names, if any."""
+        if request.get("ConfigurationSetName") in self.paused_sets:
+            return "config_set_paused", ""
+        sender = str(request.get("FromEmailAddress", "")).rsplit("<", 1)[-1].rstrip(">").lower()
+        for identity in (sender, sender.rpartition("@")[2]):
+            if identity in self.denied_identities:
+                return "identity_denied", identity
+        return None
 
     def draw(self) -> str:
         with self._lock:
@@ -300,9 +331,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _error(self, kind: str) -> None:
+    def _error(self, kind: str, identity: str = "") -> None:
         status, code, message = ERRORS[kind]
-        body = json.dumps({"message": message}).encode()
+        body = json.dumps({"message": message.format(identity=identity)}).encode()
         headers = [
             ("Content-Type", "application/json"),
             ("x-amzn-ErrorType", code),
@@ -456,6 +487,10 @@ class FaultServer:
         arrived, wall = time.monotonic(), time.time()
         kind = self.plan.draw()
         request, outbox_id, category, recipients, subject = _parse_send(body)
+        scoped = self.plan.scoped(request)
+        identity = ""
+        if scoped is not None:
+            kind, identity = scoped
         status = message_id = None
         answer: tuple[int, list[tuple[str, str]], bytes] | None = None
         if kind in FORWARDED:
@@ -488,7 +523,7 @@ class FaultServer:
         elif kind in ("reset", "reset_before"):
             handler._reset()
         else:
-            handler._error(kind)
+            handler._error(kind, identity)
 
 
 # -- analysis ------------------------------------------------------------------------------

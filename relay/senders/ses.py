@@ -17,8 +17,10 @@ far the call got (:class:`Progress`), and :func:`classify` reads the exception i
   Transient.
 * **Sent and SES answered** with its own error (a ``ClientError`` for ``SendEmail`` that
   carries SES's error code, from ``x-amzn-ErrorType`` or the body, and its request id): SES
-  did not accept the message. Throttling and 5xx are transient, account-level stops (paused,
-  suspended, bad credentials, daily quota) pause the relay without using attempts,
+  did not accept the message. Throttling and 5xx are transient, stops (paused, suspended, bad
+  credentials, daily quota) pause without using attempts, each with its scope (see
+  :func:`pause_scope`: a paused configuration set or a sending identity the credentials may
+  not use holds only its own messages; anything else stops the account),
   configuration errors and rejections are permanent. An error code this table does not know
   is transient if its HTTP status is 429 or 5xx, else permanent. A success is SES's only with
   its ``MessageId``.
@@ -33,10 +35,12 @@ timeouts, which is exactly how a duplicate email is born.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
 import os
+import re
 import ssl
 import threading
 from collections.abc import Iterator
@@ -47,6 +51,7 @@ import botocore.exceptions as bex
 from botocore.config import Config
 
 from outbox.exceptions import ConfigurationError
+from relay.pause import ACCOUNT, Scope, ScopeKind
 from relay.senders import (
     Accepted,
     Ambiguous,
@@ -68,6 +73,7 @@ __all__ = [
     "build_client",
     "build_request",
     "classify",
+    "pause_scope",
 ]
 
 log = logging.getLogger("relay")
@@ -150,6 +156,29 @@ def classify(exc: BaseException, *, progress: Progress) -> Outcome:
 _NEVER_CONNECTED = frozenset(
     {bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ProxyConnectionError}
 )
+
+
+_IDENTITY_RESOURCE = re.compile(r":identity/([^\s'`\"]+)")
+_CONFIGURATION_SET_RESOURCE = re.compile(r":configuration-set/([^\s'`\"]+)")
+
+
+def pause_scope(code: str, text: str, configuration_set: str | None) -> Scope:
+    """What a pausing SES answer stops, for a message sent with ``configuration_set`` (None:
+    the sender's default). Pure.
+
+    ``ConfigurationSetSendingPausedException`` stops one configuration set; an access denial
+    that names an identity (``...:identity/example.com``) or a configuration set resource stops
+    that one; every other stop (the account paused or suspended, credentials refused, the
+    daily quota) stops the account."""
+    if code == "ConfigurationSetSendingPausedException":
+        return Scope(ScopeKind.CONFIGURATION_SET, configuration_set or "")
+    if code in ("AccessDeniedException", "AccessDenied"):
+        if found := _IDENTITY_RESOURCE.search(text):
+            return Scope(ScopeKind.IDENTITY, found.group(1).lower())
+        if found := _CONFIGURATION_SET_RESOURCE.search(text):
+            name = found.group(1)
+            return Scope(ScopeKind.CONFIGURATION_SET, "" if configuration_set is None else name)
+    return ACCOUNT
 
 
 def _answer(exc: bex.ClientError) -> Outcome:
@@ -368,7 +397,11 @@ class SesSender:
         try:
             response = self.client.send_email(**request)
         except Exception as exc:  # classified, never raised: see classify()
-            return classify(exc, progress=progress.reached)
+            outcome = classify(exc, progress=progress.reached)
+            if isinstance(outcome, Disabled) and outcome.pause:
+                scope = pause_scope(outcome.code, outcome.message, message.email.configuration_set)
+                outcome = dataclasses.replace(outcome, scope=scope)
+            return outcome
         message_id = response.get("MessageId")
         if not message_id:  # a 200 from something that is not SES (a portal, a proxy)
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")

@@ -1,0 +1,205 @@
+"""A pause has a scope: a paused configuration set, or an identity the credentials may not send
+from, holds only its own messages; the rest of the backlog goes on.
+
+Real boto3 through the real ``SesSender`` to moto behind the fault server, which answers
+``ConfigurationSetSendingPausedException`` to every send of a paused set and
+``AccessDeniedException`` (naming the identity's resource, as SES does) to every send from a
+denied identity; the relay runs in this process on each database backend.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from outbox import Email, Outbox
+from outbox.schema import attempts, messages
+from relay.config import RelayConfig
+from relay.pause import ACCOUNT, Scope, ScopeKind
+from relay.senders import Disabled, OutgoingMessage
+from relay.senders.ses import SesSender, build_client, pause_scope
+from relay.worker import Relay
+from tests.ses_emulator import FaultServer, MotoSes, aws_env
+
+OB = Outbox()
+PAUSE = 0.6  # --pause-seconds
+
+
+@pytest.fixture(scope="module")
+def moto():
+    server = MotoSes()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def ses(moto, monkeypatch):
+    moto.reset()
+    moto.verify("shop@example.com")
+    moto.verify("promo@example.com")
+    with FaultServer(moto.url) as server:
+        for name, value in aws_env(server.url).items():
+            monkeypatch.setenv(name, value)
+        yield server
+
+
+def enqueue(engine, emails: list[Email]) -> list[int]:
+    with Session(engine) as session:
+        ids = [OB.enqueue(session, email).id for email in emails]
+        session.commit()
+    return ids
+
+
+def email(n: int, **fields) -> Email:
+    values = {"sender": "shop@example.com", "to": [f"c{n}@example.com"], "subject": f"#{n}"}
+    return Email(**{**values, "text": "hello", **fields})
+
+
+def run_relay(backend, *, timeout: float = 20.0) -> Relay:
+    """Run a relay with the real SES sender until it is idle; fail (not hang) past ``timeout``."""
+    config = RelayConfig(
+        database_url=backend.url,
+        sender="ses",
+        relay_id="scoped",
+        poll_interval=0.05,
+        send_timeout=5.0,
+        lease_seconds=15.0,
+        drain_seconds=5.0,
+        pause_seconds=PAUSE,
+        exit_when_idle=True,
+    )
+    sender = SesSender(build_client(send_timeout=5.0, concurrency=8))
+    relay = Relay(engine=backend.engine, sender=sender, config=config)
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        relay.request_stop()
+        thread.join(10)
+        pytest.fail(f"the relay did not finish within {timeout}s")
+    return relay
+
+
+def rows(engine) -> dict[int, sa.Row]:
+    with engine.connect() as conn:
+        return {r.id: r for r in conn.execute(sa.select(messages))}
+
+
+def requests_per_message(ses: FaultServer) -> Counter[int | None]:
+    return Counter(s.outbox_id for s in ses.sends)
+
+
+@pytest.mark.parametrize(
+    ("code", "text", "configuration_set", "scope"),
+    [
+        (
+            "ConfigurationSetSendingPausedException",
+            "",
+            "marketing",
+            ("configuration_set", "marketing"),
+        ),
+        ("ConfigurationSetSendingPausedException", "", None, ("configuration_set", "")),
+        (
+            "AccessDeniedException",
+            "not authorized to perform `ses:SendEmail' on resource "
+            "`arn:aws:ses:eu-west-1:1:identity/Promo@Example.com'",
+            None,
+            ("identity", "promo@example.com"),
+        ),
+        (
+            "AccessDeniedException",
+            "on resource `arn:aws:ses:eu-west-1:1:configuration-set/marketing'",
+            "marketing",
+            ("configuration_set", "marketing"),
+        ),
+        ("AccessDeniedException", "User is not authorized", None, ("account", "")),
+        ("AccountSendingPausedException", "", "marketing", ("account", "")),
+        ("DailyQuotaExceeded", "", None, ("account", "")),
+    ],
+)
+def test_pause_scope_reads_what_the_answer_stops(code, text, configuration_set, scope):
+    assert pause_scope(code, text, configuration_set) == Scope(ScopeKind(scope[0]), scope[1])
+
+
+def test_a_paused_configuration_set_answer_is_a_scoped_pause(ses):
+    ses.plan.paused_sets.add("marketing")
+    sender = SesSender(build_client(send_timeout=5.0, concurrency=1))
+    outcome = sender.send(
+        OutgoingMessage(
+            id=1,
+            key="k",
+            category="default",
+            attempt=1,
+            email=email(1, configuration_set="marketing"),
+        )
+    )
+    assert isinstance(outcome, Disabled)
+    assert outcome.pause
+    assert outcome.scope == Scope(ScopeKind.CONFIGURATION_SET, "marketing")
+    assert outcome.scope != ACCOUNT
+
+
+def test_a_paused_configuration_set_holds_only_its_own_mail(backend, ses):
+    """20 messages, one in a paused configuration set: the other 19 are delivered, the paused
+    one is tried once and steps back in line (no attempt used); once the set works again it
+    is delivered, once."""
+    ses.plan.paused_sets.add("marketing")
+    ids = enqueue(
+        backend.engine,
+        [email(n, configuration_set="marketing" if n == 0 else None) for n in range(20)],
+    )
+    paused_id = ids[0]
+
+    began = time.monotonic()
+    relay = run_relay(backend)
+    took = time.monotonic() - began
+
+    got = rows(backend.engine)
+    assert {i for i in ids if got[i].status == "sent"} == set(ids[1:]), {
+        i: (got[i].status, got[i].last_error_code, got[i].last_error_message) for i in ids
+    }
+    held = got[paused_id]
+    assert (held.status, held.attempt_count) == ("pending", 0)
+    assert held.next_attempt_at > held.created_at  # moved back in line until its probe
+    # tried once, then at most one probe per pause period
+    assert 1 <= requests_per_message(ses)[paused_id] <= 1 + took / PAUSE
+    assert not relay.paused  # the account was never paused
+
+    ses.plan.paused_sets.clear()
+    time.sleep(PAUSE + 0.3)  # until its probe is due
+    run_relay(backend)
+
+    final = rows(backend.engine)[paused_id]
+    assert final.status == "sent"
+    accepted = [s for s in ses.sends if s.outbox_id == paused_id and s.accepted]
+    assert [s.message_id for s in accepted] == [final.provider_message_id]
+    assert sum(1 for s in ses.sends if s.accepted) == 20
+
+
+def test_a_denied_identity_holds_only_its_own_mail(backend, ses):
+    ses.plan.denied_identities.add("promo@example.com")
+    promo = [email(n, sender="Promo <promo@example.com>") for n in range(3)]
+    ids = enqueue(backend.engine, promo + [email(n) for n in range(3, 10)])
+
+    began = time.monotonic()
+    run_relay(backend)
+    took = time.monotonic() - began
+
+    got = rows(backend.engine)
+    assert {i for i in ids if got[i].status == "sent"} == set(ids[3:])
+    assert all(got[i].status == "pending" and got[i].attempt_count == 0 for i in ids[:3])
+    with backend.engine.connect() as conn:
+        codes = Counter(
+            conn.execute(
+                sa.select(attempts.c.error_code).where(attempts.c.message_id.in_(ids[:3]))
+            ).scalars()
+        )
+    # each promo message tried at most once before the scope was known to be paused, then
+    # one probe per pause period
+    assert sum(requests_per_message(ses)[i] for i in ids[:3]) <= 3 + took / PAUSE
+    assert set(codes) <= {"AccessDeniedException"}
