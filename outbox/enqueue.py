@@ -1,28 +1,50 @@
 """The savepoint-guarded insert of one outbox row on the caller's connection.
 
 The insert runs inside a SAVEPOINT on the connection the caller's transaction already uses. A
-duplicate idempotency key rolls back only that savepoint, so the caller's transaction goes on as
-if nothing happened; the existing row's id is returned instead. The savepoint is opened on the
-Core connection, not through ``Session.begin_nested()``, because it must also work inside flush
-events (declarative rules), where a session-level savepoint does not protect the rows.
+duplicate idempotency key never aborts the caller's transaction: it is reported as
+``duplicate=True`` with the existing row's id. Any other error rolls back only the savepoint and
+propagates as itself. The savepoint is opened on the Core connection, not through
+``Session.begin_nested()``, because it must also work inside flush events (declarative rules),
+where a session-level savepoint does not protect the rows.
 
-On PostgreSQL the insert also calls ``pg_notify`` on :data:`NOTIFY_CHANNEL` in the same
-statement. PostgreSQL delivers a notification only when the transaction commits, and folds
-identical notifications of one transaction into one: a transaction that enqueues a thousand
-emails wakes the relay once, and a rolled-back one never.
+On PostgreSQL the insert is ``INSERT ... ON CONFLICT (idempotency_key) DO NOTHING`` and also
+calls ``pg_notify`` on :data:`NOTIFY_CHANNEL` in the same statement. PostgreSQL delivers a
+notification only when the transaction commits, and folds identical notifications of one
+transaction into one: a transaction that enqueues a thousand emails wakes the relay once, and a
+rolled-back one never. At REPEATABLE READ and SERIALIZABLE, a key committed by another
+transaction after the caller's snapshot was taken is invisible to the caller, and PostgreSQL
+answers the conflict with a serialization failure (40001) instead of doing nothing. That failure
+is rolled back with the savepoint, and the winner's id is read on a second, short-lived
+connection from the same engine, which sees committed rows; only if no such row exists there
+does the failure propagate.
+
+On MySQL/MariaDB, two inserts waiting on the same key held by a third transaction deadlock when
+that transaction rolls back: each waiter inherits a gap lock on the rolled-back key, then each
+waits for the other's gap to insert, and InnoDB rolls back one caller's whole transaction.
+``INSERT ... ON DUPLICATE KEY UPDATE`` and a locking read first deadlock the same way. So an
+enqueue takes a named lock for its key (``GET_LOCK``) around the insert statement: at most one
+enqueue waits on a key's row lock at a time, and the others queue on the named lock, outside
+InnoDB. A transaction never takes the named lock for a key it inserted itself (its insert does
+not wait), so it cannot queue behind a waiter that waits for it. When InnoDB does roll back the
+whole transaction (a deadlock elsewhere, a lock wait timeout with
+``innodb_rollback_on_timeout``), the savepoint is gone with it and that error propagates, not one
+from rolling back the savepoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from outbox.category import Category
 from outbox.exceptions import InvalidArgument, InvalidKey, MessageTooLarge
@@ -41,13 +63,30 @@ _ROW_COLUMNS = (
     "backoff_cap", "ambiguity_policy", "next_attempt_at", "expires_at", "created_at",
     "updated_at",
 )  # fmt: skip
-_insert = sa.insert(messages).values({name: sa.bindparam(name) for name in _ROW_COLUMNS})
-_ins_cte = _insert.returning(messages.c.id).cte("ins")
+_values: dict[str, Any] = {name: sa.bindparam(name) for name in _ROW_COLUMNS}
+_insert = sa.insert(messages).values(_values)
+_ins_cte = (
+    postgresql.insert(messages)
+    .values(_values)
+    .on_conflict_do_nothing(index_elements=[messages.c.idempotency_key])
+    .returning(messages.c.id)
+    .cte("ins")
+)
 _insert_and_notify = sa.select(_ins_cte.c.id, sa.func.pg_notify(NOTIFY_CHANNEL, ""))
 _existing = sa.select(messages.c.id).where(messages.c.idempotency_key == sa.bindparam("key"))
 _existing_locking = _existing.with_for_update(read=True)
+# Waits at most as long as the holder may wait on the key's row lock; 0 (timed out) or NULL
+# (killed) means the insert goes ahead without it.
+_get_lock = sa.text("SELECT GET_LOCK(:name, @@innodb_lock_wait_timeout)")
+_release_lock = sa.text("SELECT RELEASE_LOCK(:name)")
+
+_SERIALIZATION_FAILURE = "40001"
+# Pools that hand out one shared DBAPI connection: a "second" connection would be the caller's.
+_SHARED_CONNECTION_POOLS = (sa.pool.StaticPool, sa.pool.SingletonThreadPool, sa.pool.AssertionPool)
 
 _max_packet: weakref.WeakKeyDictionary[sa.Engine, int] = weakref.WeakKeyDictionary()
+# Keys each open transaction inserted on MySQL/MariaDB; entries go with their transaction.
+_inserted: weakref.WeakKeyDictionary[sa.RootTransaction, set[str]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,32 +165,126 @@ def insert_message(conn: sa.Connection, row: dict[str, Any], email: Email) -> tu
     Must be called with ``conn`` inside the caller's transaction. Only a duplicate key is
     swallowed; any other error rolls back the savepoint and propagates.
     """
-    dialect = conn.dialect
-    if dialect.name in ("mysql", "mariadb"):
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        return _insert_postgresql(conn, row)
+    if dialect in ("mysql", "mariadb"):
         _check_packet_size(conn, email, row)
+        return _insert_mysql(conn, row)
+    return _insert_plain(conn, row, _existing)
+
+
+def _insert_plain(
+    conn: sa.Connection, row: dict[str, Any], lookup: sa.Select[Any]
+) -> tuple[int, bool]:
+    """A plain INSERT; on an integrity error, ``lookup`` finds the existing row's id."""
     savepoint = conn.begin_nested()
     try:
-        if dialect.name == "postgresql":
-            new_id = conn.execute(_insert_and_notify, row).scalar_one()
-        else:
-            inserted = conn.execute(_insert, row).inserted_primary_key
-            assert inserted is not None
-            new_id = inserted[0]
+        inserted = conn.execute(_insert, row).inserted_primary_key
     except IntegrityError:
-        savepoint.rollback()
-        existing = conn.execute(
-            _existing_locking if dialect.name in ("mysql", "mariadb") else _existing,
-            {"key": row["idempotency_key"]},
-        ).scalar()
+        if not _rolled_back(savepoint):
+            raise
+        existing = conn.execute(lookup, {"key": row["idempotency_key"]}).scalar()
         if existing is None:
             raise
         return int(existing), True
     except BaseException:
-        if savepoint.is_active:
-            savepoint.rollback()
+        _rolled_back(savepoint)
         raise
     savepoint.commit()
-    return int(new_id), False
+    assert inserted is not None
+    return int(inserted[0]), False
+
+
+def _insert_mysql(conn: sa.Connection, row: dict[str, Any]) -> tuple[int, bool]:
+    """The plain insert under the key's named lock, held only for the insert statement.
+
+    A transaction that inserted the key itself skips the lock: its insert finds its own row
+    without waiting, while a waiter holding the lock may be waiting for this very transaction.
+    The lookup after a duplicate is a locking read, which reads the latest committed row that a
+    REPEATABLE READ snapshot may not show.
+    """
+    key = row["idempotency_key"]
+    transaction = conn.get_transaction()
+    mine = _inserted.get(transaction, ()) if transaction is not None else ()
+    lock = {"name": "outbox:" + hashlib.sha1(key.encode(), usedforsecurity=False).hexdigest()}
+    locked = key not in mine and conn.execute(_get_lock, lock).scalar() == 1
+    try:
+        new_id, duplicate = _insert_plain(conn, row, _existing_locking)
+    except BaseException:
+        if locked:
+            _quietly(lambda: conn.execute(_release_lock, lock))
+        raise
+    if locked:
+        conn.execute(_release_lock, lock)
+    if not duplicate and transaction is not None:
+        _inserted.setdefault(transaction, set()).add(key)
+    return new_id, duplicate
+
+
+def _insert_postgresql(conn: sa.Connection, row: dict[str, Any]) -> tuple[int, bool]:
+    """ON CONFLICT DO NOTHING and notify; a conflict is looked up in the caller's transaction,
+    or, when its snapshot cannot see the winner, on a second connection."""
+    key = row["idempotency_key"]
+    for _ in range(2):
+        savepoint = conn.begin_nested()
+        try:
+            new_id = conn.execute(_insert_and_notify, row).scalar()
+        except DBAPIError as error:
+            if not _rolled_back(savepoint) or _sqlstate(error) != _SERIALIZATION_FAILURE:
+                raise
+            committed = _committed_id(conn, key)
+            if committed is None:
+                raise
+            return committed, True
+        except BaseException:
+            _rolled_back(savepoint)
+            raise
+        savepoint.commit()
+        if new_id is not None:
+            return int(new_id), False
+        existing = conn.execute(_existing, {"key": key}).scalar()
+        if existing is not None:
+            return int(existing), True
+        # The conflicting row was deleted (pruned) between the two statements: insert again.
+    raise RuntimeError(f"idempotency key {key!r} conflicted twice with a row that was not found")
+
+
+def _committed_id(conn: sa.Connection, key: str) -> int | None:
+    """The id of the committed row with ``key``, read outside the caller's snapshot on a
+    short-lived connection of the same engine; None if it cannot be read there."""
+    engine = conn.engine
+    if isinstance(engine.pool, _SHARED_CONNECTION_POOLS):
+        return None
+    schema_map = conn.get_execution_options().get("schema_translate_map")
+    try:
+        with engine.connect() as other:
+            if schema_map is not None:
+                other = other.execution_options(schema_translate_map=schema_map)
+            existing = other.execute(_existing, {"key": key}).scalar()
+    except SQLAlchemyError:
+        return None
+    return None if existing is None else int(existing)
+
+
+def _rolled_back(savepoint: sa.NestedTransaction) -> bool:
+    """Roll back to ``savepoint``; False if that is no longer possible, typically because the
+    server already rolled back the whole transaction (InnoDB after a deadlock): the error that
+    ended it is then the one to raise, and nothing more may run in the caller's name."""
+    return savepoint.is_active and _quietly(savepoint.rollback)
+
+
+def _quietly(cleanup: Callable[[], object]) -> bool:
+    try:
+        cleanup()
+    except SQLAlchemyError:
+        return False
+    return True
+
+
+def _sqlstate(error: DBAPIError) -> str | None:
+    orig = error.orig
+    return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
 
 
 def _check_packet_size(conn: sa.Connection, email: Email, row: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import sessionmaker
 
 from outbox import Email, HeaderInjection, InvalidKey, Outbox
 from outbox.schema import messages
@@ -101,3 +102,27 @@ def test_async_bad_input_keeps_the_session_usable(backend):
 
     run(backend, scenario)
     assert keys(backend.engine) == ["ok"]
+
+
+def test_async_duplicate_committed_after_the_snapshot(server_backend):
+    """REPEATABLE READ through AsyncSession: another transaction commits the key after this
+    one's snapshot was taken. The result is that row, as a duplicate, and the session commits."""
+    ob = Outbox()
+    Sessions = sessionmaker(server_backend.engine)
+    user = User(id=1, email="a@example.com")
+
+    async def scenario(engine):
+        Snapshot = async_sessionmaker(engine.execution_options(isolation_level="REPEATABLE READ"))
+        async with Snapshot.begin() as session:
+            session.add(Order(id=1, customer="ada"))
+            await session.execute(sa.text("SELECT count(*) FROM shop_users"))
+            with Sessions.begin() as other:
+                won = ob.enqueue(other, welcome(user), key="race")
+            result = await ob.enqueue_async(session, welcome(user), key="race")
+        return won, result
+
+    won, result = run(server_backend, scenario)
+    assert (result.id, result.duplicate) == (won.id, True)
+    assert keys(server_backend.engine) == ["race"]
+    with server_backend.engine.connect() as conn:
+        assert conn.execute(sa.select(Order.id)).scalars().all() == [1]
