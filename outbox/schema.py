@@ -25,6 +25,8 @@ __all__ = [
     "messages",
     "metadata",
     "relays",
+    "send_budget",
+    "send_budget_lock",
     "utcnow",
 ]
 
@@ -195,4 +197,22 @@ relays = sa.Table(
     sa.Column("started_at", UTCDateTime(), nullable=False),
     sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
     sa.Column("state", sa.String(20), nullable=False),
+)
+
+# The send budget every relay shares (--max-send-rate): the sends booked in the last seconds,
+# and one row whose lock relays take to book, one at a time. See relay/ratelimit.py.
+send_budget = sa.Table(
+    "outbox_send_budget",
+    metadata,
+    sa.Column("id", _BigId, sa.Identity(), primary_key=True),
+    sa.Column("relay_id", sa.String(255), nullable=False),
+    sa.Column("reserved_at", UTCDateTime(), nullable=False),  # when the sends may start
+    sa.Column("recipients", sa.Integer(), nullable=False),
+    sa.Column("occupied_until", UTCDateTime(), nullable=False, index=True),
+)
+
+send_budget_lock = sa.Table(
+    "outbox_send_budget_lock",
+    metadata,
+    sa.Column("id", sa.SmallInteger(), primary_key=True, autoincrement=False),
 )

@@ -1,141 +1,284 @@
-"""A send-rate limit in recipients per second, enforced over every sliding one-second window."""
+"""The send-rate limit: recipients per second for all relays together, in every sliding
+one-second window at the provider's door (the moment each provider call starts).
+
+Every relay books its sends in one schedule kept in the database (``outbox_send_budget``, see
+:mod:`relay.store`), under one lock, before it starts them; :class:`SendBudget` is the
+arithmetic. Bookings are spaced over windows of one second plus ``SLACK``, and a send starts
+at its booked time or up to ``LATE_START`` later, never later (its thread gives the message
+back unsent): then no one-second window of real starts can hold more than the limit, however
+many relays there are and however their threads are scheduled. The rest of the slack covers
+what lies between the start of a provider call and the provider's door (building and signing
+the request, the network) and the difference between two relays' clocks. The cost: under a
+full backlog the relays together send ``limit / (1 s + SLACK)``, 95% of the limit.
+
+* A send of at most the limit is booked at the earliest moment (not before any booking already
+  made: the schedule only grows at its end) at which every window around it stays within the
+  limit.
+* A send of more recipients than the limit goes alone: nothing else is booked in any window
+  that holds it, and it holds the budget for the ``recipients / limit`` seconds its recipients
+  are worth, so the average over any stretch stays at the limit too. A limit below one per
+  second is the same rule: at 0.25/s a one-recipient send holds the budget for four seconds.
+* A relay books only what may start within ``HORIZON``; its send threads wait for their
+  booked time. Relays booked as one schedule, so the number of live relays no longer matters.
+
+Times are the database's (each relay's clock is anchored to it, :mod:`relay.clock`): every
+relay compares the same bookings on the same clock. The clock error between two relays is
+at most half the round trips of the queries that read the database's time.
+
+:class:`RateController` adapts the limit a relay books with to the provider's answers: halved
+on a throttling answer, 5% of it back per second without one.
+"""
 
 from __future__ import annotations
 
-import collections
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-__all__ = ["RateController", "SlidingWindowLimiter"]
+__all__ = [
+    "HORIZON",
+    "LATE_START",
+    "SLACK",
+    "WINDOW",
+    "Booking",
+    "RateController",
+    "SendBudget",
+    "Slot",
+    "earliest_start",
+    "merged",
+    "occupation",
+]
+
+WINDOW = timedelta(seconds=1)  # the provider counts recipients per second, sliding
+SLACK = timedelta(milliseconds=50)  # bookings are spaced a window and this apart
+LATE_START = timedelta(milliseconds=25)  # of the slack, what a send thread may start late by
+HORIZON = timedelta(milliseconds=200)  # how far ahead of a send's start it is booked
+HANDOFF = 0.05  # seconds: the first guess of how long a booking takes to reach its thread
+HANDOFF_DECAY = 0.98  # per send: how fast the longest handoff seen is forgotten
+PRUNE_INTERVAL = 1.0  # seconds (monotonic) between deletions of bookings that no longer count
 
 
-class SlidingWindowLimiter:
-    """Allows at most ``rate`` recipients in any window of ``window`` seconds.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Slot:
+    """When a send thread may call the provider: ``start``, on this process's monotonic clock.
+    ``planned`` is when it was booked (the handoff to the thread is measured from it)."""
 
-    A token bucket would let twice the rate through in one second (a full bucket, then its
-    refill); SES measures per second, so the relay keeps a log of recent sends instead.
-    ``rate=None`` means no limit. Used from the relay's main thread only.
-    """
+    planned: float
+    start: float
 
-    def __init__(
-        self,
-        rate: float | None,
-        *,
-        window: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.base_window = window
-        self._clock = clock
-        self._log: collections.deque[list[float]] = collections.deque()
-        self._used = 0.0
-        self.rate = rate
 
-    @property
-    def rate(self) -> float | None:
-        return self._rate
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Booking:
+    """Sends of ``recipients`` in all booked to start at ``start``. ``until`` is when its
+    hold on the whole budget ends: ``start`` itself, except for a send over the limit."""
 
-    @rate.setter
-    def rate(self, value: float | None) -> None:
-        """A rate below one per window widens the window, so 0.25/s means one per 4 s."""
-        self._rate = value
-        self.window = self.base_window if not value or value >= 1 else self.base_window / value
-        self._capacity = None if value is None else value * self.window / self.base_window
+    start: datetime
+    recipients: int
+    until: datetime
 
-    def _trim(self, now: float) -> None:
-        while self._log and self._log[0][0] <= now - self.window:
-            self._used -= self._log.popleft()[1]
 
-    def available(self) -> float:
-        """How many recipients may be sent right now."""
-        if self._capacity is None:
-            return math.inf
-        self._trim(self._clock())
-        return max(0.0, self._capacity - self._used)
+def occupation(recipients: int, limit: float) -> timedelta:
+    """How long after its start a send holds the whole budget: not at all within the limit;
+    over it, the ``recipients / limit`` seconds its recipients are worth, less the window
+    that holds its start (so the next send waits that long plus a window)."""
+    if recipients <= limit:
+        return timedelta(0)
+    return timedelta(microseconds=math.ceil(recipients * 1_000_000 / limit)) - WINDOW
 
-    def try_take(self, recipients: int) -> bool:
-        """Take ``recipients`` if the window allows it now. A message with more recipients
-        than the whole rate is let through alone in an otherwise empty window."""
-        return self.take(recipients) is not None
 
-    def take(self, recipients: int) -> list[float] | None:
-        """Like :meth:`try_take`, returning a ticket for :meth:`started` (None if refused)."""
-        if self._capacity is None:
-            return [0.0, 0.0]
-        now = self._clock()
-        self._trim(now)
-        if self._used + recipients > self._capacity and self._used > 0:
-            return None
-        ticket = [now, float(recipients)]
-        self._log.append(ticket)
-        self._used += recipients
-        return ticket
+def earliest_start(
+    booked: Sequence[Booking],
+    recipients: int,
+    *,
+    limit: float,
+    now: datetime,
+    span: timedelta,
+) -> datetime:
+    """The earliest moment, no earlier than ``now`` nor than the last booking, at which a send
+    of ``recipients`` keeps every window of ``span`` within ``limit``.
 
-    def started(self, ticket: list[float]) -> None:
-        """The send behind ``ticket`` really starts now (a worker thread picked it up later
-        than it was taken): count it from now, so the provider never sees more than the rate
-        in any second. Safe from another thread; only ever makes the limit stricter."""
-        ticket[0] = max(ticket[0], self._clock())
+    ``booked`` is in start order. As nothing is booked after the new send, the windows that
+    hold it hold only bookings within ``span`` before it: it may start once the bookings in
+    that stretch, newest first, leave room for it, and once every send over the limit has
+    held the budget for its time and a window more. A send of the limit or more needs an
+    empty stretch."""
+    start = now
+    if booked:
+        start = max(start, booked[-1].start)
+    room = max(0.0, limit - recipients)
+    used = 0
+    full = False
+    for booking in reversed(booked):
+        if booking.until > booking.start:
+            start = max(start, booking.until + span)
+        if full:
+            continue
+        used += booking.recipients
+        if used > room:  # this one and everything before it must be out of the stretch
+            start = max(start, booking.start + span)
+            full = True
+    return start
 
-    def seconds_until_available(self) -> float:
-        """How long until some capacity frees up (0 when there is some now)."""
-        if self._capacity is None or self.available() >= 1:
-            return 0.0
-        return max(0.0, self._log[0][0] + self.window - self._clock()) if self._log else 0.0
+
+def merged(bookings: Iterable[Booking]) -> list[Booking]:
+    """Bookings with the same start and end as one (fewer rows; the same schedule)."""
+    out: list[Booking] = []
+    for booking in bookings:
+        last = out[-1] if out else None
+        if last is not None and (last.start, last.until) == (booking.start, booking.until):
+            out[-1] = Booking(
+                start=last.start, recipients=last.recipients + booking.recipients, until=last.until
+            )
+        else:
+            out.append(booking)
+    return out
 
 
 class RateController:
-    """Sets a relay's share of the send rate, and adapts it to throttling.
+    """The limit this relay books sends with, adapted to throttling.
 
-    The configured total is split evenly between the live relays (``set_replicas``, from the
-    heartbeats in ``outbox_relays``), so N replicas together stay within it. A throttling
-    answer halves this relay's rate; every second without one gives back 5% of its share
-    (additive increase, multiplicative decrease).
+    ``total`` is ``--max-send-rate`` (None: no limit), the rate for all relays together. A
+    throttling answer halves this relay's limit; every second without one gives back 5% of
+    the total (additive increase, multiplicative decrease). The budget is shared, so a
+    throttled relay books less and leaves the rest to the others.
     """
 
     DECREASE = 0.5
     RECOVERY_PER_SECOND = 0.05
-    FLOOR = 0.05  # never below 5% of the share: throttling must not stop sending outright
+    FLOOR = 0.05  # never below 5% of the total: throttling must not stop sending outright
 
-    def __init__(
-        self,
-        limiter: SlidingWindowLimiter,
-        total: float | None,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.limiter = limiter
+    def __init__(self, total: float | None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.total = total
-        self.replicas = 1
         self.factor = 1.0
         self._clock = clock
         self._last = clock()
-        self._apply()
 
     @property
-    def share(self) -> float | None:
-        return None if self.total is None else self.total / self.replicas
+    def rate(self) -> float | None:
+        """Recipients per second this relay books with now (None: no limit)."""
+        return None if self.total is None else self.total * self.factor
 
     def set_total(self, total: float | None) -> None:
         self.total = total
-        self._apply()
-
-    def set_replicas(self, replicas: int) -> None:
-        self.replicas = max(1, replicas)
-        self._apply()
 
     def on_throttle(self) -> None:
         self.factor = max(self.FLOOR, self.factor * self.DECREASE)
         self._last = self._clock()
-        self._apply()
 
     def tick(self) -> None:
         now = self._clock()
         if self.factor < 1.0:
             self.factor = min(1.0, self.factor + self.RECOVERY_PER_SECOND * (now - self._last))
-            self._apply()
         self._last = now
 
-    def _apply(self) -> None:
-        share = self.share
-        self.limiter.rate = None if share is None else share * self.factor
+
+class SendBudget:
+    """This relay's side of the shared send budget: plans bookings, and remembers from its
+    last look when the budget has room again, so the relay claims and looks no sooner.
+
+    ``clock`` is the relay's shared (database) clock. The relay takes the budget's lock, reads
+    the bookings since :meth:`lookback`, :meth:`plan`\\ s its unstarted messages and books
+    them, in one transaction; each send thread then :meth:`wait`\\ s for its time.
+    """
+
+    def __init__(
+        self,
+        rate: RateController,
+        *,
+        clock: Callable[[], datetime],
+        window: timedelta = WINDOW,
+        slack: timedelta = SLACK,
+        late_start: timedelta = LATE_START,
+        horizon: timedelta = HORIZON,
+        handoff: float = HANDOFF,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if late_start > slack:
+            raise ValueError("a send may start late by part of the slack at most")
+        self._rate = rate
+        self._clock = clock
+        self.slack = slack
+        self.late_start = late_start
+        self.span = window + slack  # bookings are spaced over this, starts over the window
+        self.horizon = horizon
+        self._monotonic = monotonic
+        self._next: datetime | None = None  # the earliest start found for one more send
+        self._handoff = handoff  # seconds: the longest recent booking-to-thread handoff
+        self._last_prune = -math.inf
+
+    @property
+    def rate(self) -> float | None:
+        """The limit this relay books with now (None: no limit, and no budget at all)."""
+        return self._rate.rate
+
+    @property
+    def lead(self) -> timedelta:
+        """How far after ``now`` a send is booked at the earliest: the time a booking takes to
+        reach its send thread (the transaction's commit, the handoff), learnt from the last
+        sends, so a thread waits for its slot rather than start late. At most half the
+        horizon."""
+        return min(self.horizon / 2, timedelta(seconds=self._handoff))
+
+    def lookback(self, now: datetime) -> datetime:
+        """Bookings whose hold on the budget ended before this cannot affect one at ``now``."""
+        return now - self.span
+
+    def plan(self, booked: Sequence[Booking], sizes: Sequence[int], now: datetime) -> list[Booking]:
+        """Book, in order, as many of the sends of ``sizes`` recipients as may start within
+        the horizon; the first that may not, and all after it, wait (the schedule keeps their
+        order). ``booked`` is what all relays have booked, in start order."""
+        limit = self.rate
+        if limit is None:
+            raise ValueError("no send limit: there is no budget to plan in")
+        schedule = list(booked)
+        planned: list[Booking] = []
+        floor = now + self.lead
+        for recipients in sizes:
+            start = earliest_start(schedule, recipients, limit=limit, now=floor, span=self.span)
+            if start > now + self.horizon:
+                self._next = start
+                return planned
+            booking = Booking(
+                start=start, recipients=recipients, until=start + occupation(recipients, limit)
+            )
+            planned.append(booking)
+            schedule[-1:] = merged([*schedule[-1:], booking])
+        self._next = earliest_start(schedule, 1, limit=limit, now=floor, span=self.span)
+        return planned
+
+    def available(self) -> float:
+        """How many sends the relay may claim now: none while its last look found the budget
+        full beyond the horizon; else what the horizon (and the slack) holds at the limit."""
+        limit = self.rate
+        if limit is None:
+            return math.inf
+        if self._next is not None and self._next > self._clock() + self.horizon:
+            return 0.0
+        return float(max(1, math.ceil(limit * (self.horizon + self.slack).total_seconds())))
+
+    def seconds_until_available(self) -> float:
+        """How long until the budget may have room within the horizon (0: look now)."""
+        if self.rate is None or self._next is None:
+            return 0.0
+        return max(0.0, (self._next - self.horizon - self._clock()).total_seconds())
+
+    def prune_due(self, now: datetime) -> datetime | None:
+        """Once a second: the cut-off before which bookings may be deleted (None: not now)."""
+        mono = self._monotonic()
+        if mono - self._last_prune < PRUNE_INTERVAL:
+            return None
+        self._last_prune = mono
+        return self.lookback(now)
+
+    def wait(self, slot: Slot) -> float | None:
+        """On a send thread: sleep until the send's booked start. Returns None when the send
+        may start, or how many seconds late the thread is when that is more than
+        ``late_start`` allows: then the send must not start."""
+        mono = self._monotonic()
+        self._handoff = max(mono - slot.planned, self._handoff * HANDOFF_DECAY)
+        if slot.start > mono:
+            time.sleep(slot.start - mono)
+        late = self._monotonic() - slot.start
+        return late if late > self.late_start.total_seconds() else None

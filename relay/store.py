@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import ReturningUpdate
 
 from outbox.migrations import VIEWS
@@ -36,16 +36,21 @@ from outbox.schema import (
     attempts,
     messages,
     relays,
+    send_budget,
+    send_budget_lock,
 )
 from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
+from relay.ratelimit import Booking, merged
 
 __all__ = [
     "AttemptRecord",
     "Claim",
     "Expired",
     "Filter",
+    "RelayHolder",
     "StaleLease",
     "apply_decision",
+    "book_sends",
     "cancel",
     "claim_batch",
     "count_messages",
@@ -56,12 +61,15 @@ __all__ = [
     "finalize_sent_many",
     "get_message",
     "heartbeat",
+    "heartbeat_held",
     "hold_unknown",
     "list_messages",
     "live_relays",
+    "lock_send_budget",
     "mark_send_started",
     "message_ids",
     "prune_batch",
+    "prune_send_budget",
     "read_view",
     "record_attempts",
     "register",
@@ -69,8 +77,10 @@ __all__ = [
     "release_unstarted",
     "requeue",
     "schedule_retry",
+    "send_bookings",
     "statuses_of",
     "stop",
+    "stop_held",
     "sweep_candidates",
     "sweep_expired_leases",
 ]
@@ -985,19 +995,38 @@ def read_view(conn: sa.Connection, name: str) -> list[dict[str, Any]]:
 # -- relays ------------------------------------------------------------------------------
 
 
-def register(conn: sa.Connection, *, relay_id: str, host: str, pid: int, now: datetime) -> None:
-    """register -- Announce a relay (a restarted relay id takes its row over)."""
-    conn.execute(sa.delete(relays).where(relays.c.relay_id == relay_id))
-    conn.execute(
-        sa.insert(relays).values(
-            relay_id=relay_id,
-            host=host,
-            pid=pid,
-            started_at=now,
-            heartbeat_at=now,
-            state="running",
-        )
+def register(
+    conn: sa.Connection, *, relay_id: str, host: str, pid: int, now: datetime, dead_after: float
+) -> RelayHolder | None:
+    """register -- Announce a relay, unless a live relay already holds its id.
+
+    The row of a dead relay is taken over: one that stopped, or whose last heartbeat is more
+    than ``dead_after`` seconds before ``now`` (both on the database's clock). Returns None
+    once registered, or the live holder (its row left as it is). The takeover is one guarded
+    UPDATE, so of two relays starting with the same id at once only one takes a dead row;
+    two inserting a new id at once make the later insert fail on the key (an
+    ``IntegrityError``: look again).
+    """
+    values = {"host": host, "pid": pid, "started_at": now, "heartbeat_at": now, "state": "running"}
+    dead = sa.or_(
+        relays.c.state.not_in(LIVE_STATES),
+        relays.c.heartbeat_at < now - timedelta(seconds=dead_after),
     )
+    take = sa.update(relays).where(relays.c.relay_id == relay_id, dead).values(values)
+    taken = conn.execute(take)
+    if taken.rowcount == 1:
+        return None
+    holder = conn.execute(
+        sa.select(relays.c.host, relays.c.pid, relays.c.heartbeat_at, relays.c.state).where(
+            relays.c.relay_id == relay_id
+        )
+    ).one_or_none()
+    if holder is not None:
+        return RelayHolder(
+            host=holder.host, pid=holder.pid, heartbeat_at=holder.heartbeat_at, state=holder.state
+        )
+    conn.execute(sa.insert(relays).values(relay_id=relay_id, **values))
+    return None
 
 
 def heartbeat(conn: sa.Connection, *, relay_id: str, now: datetime, state: str) -> bool:
@@ -1032,3 +1061,124 @@ def stop(conn: sa.Connection, *, relay_id: str, now: datetime) -> None:
         .where(relays.c.relay_id == relay_id)
         .values(heartbeat_at=now, state="stopped")
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RelayHolder:
+    """The live relay that holds a relay id (see :func:`register`)."""
+
+    host: str
+    pid: int
+    heartbeat_at: datetime
+    state: str
+
+
+def _held(relay_id: str, host: str, pid: int, started_at: datetime) -> sa.ColumnElement[bool]:
+    """The row this relay registered, and not one another relay with its id took over since."""
+    return sa.and_(
+        relays.c.relay_id == relay_id,
+        relays.c.host == host,
+        relays.c.pid == pid,
+        relays.c.started_at == started_at,
+    )
+
+
+def heartbeat_held(
+    conn: sa.Connection,
+    *,
+    relay_id: str,
+    host: str,
+    pid: int,
+    started_at: datetime,
+    now: datetime,
+    state: str,
+) -> bool:
+    """heartbeat -- The relay is alive, in ``state``, on the row it registered at
+    ``started_at``. False if that row is gone or was taken over (this relay looked dead)."""
+    stmt = (
+        sa.update(relays)
+        .where(_held(relay_id, host, pid, started_at))
+        .values(heartbeat_at=now, state=state)
+    )
+    return conn.execute(stmt).rowcount == 1
+
+
+def stop_held(
+    conn: sa.Connection, *, relay_id: str, host: str, pid: int, started_at: datetime, now: datetime
+) -> None:
+    """stop -- The relay exited cleanly (its own row only: never a successor's)."""
+    conn.execute(
+        sa.update(relays)
+        .where(_held(relay_id, host, pid, started_at))
+        .values(heartbeat_at=now, state="stopped")
+    )
+
+
+# -- the shared send budget (--max-send-rate) ---------------------------------------------
+#
+# Relays book every send in outbox_send_budget before starting it, one relay at a time under
+# the lock of outbox_send_budget_lock's one row, inside the transaction that marks the wave;
+# relay/ratelimit.py decides when each may start. None of this runs without a send limit.
+
+_budget = send_budget
+_LOCK_BUDGET = sa.update(send_budget_lock).where(send_budget_lock.c.id == 1).values(id=1)
+_BOOKINGS = (
+    sa.select(_budget.c.reserved_at, _budget.c.recipients, _budget.c.occupied_until)
+    .where(_budget.c.occupied_until > sa.bindparam("since", type_=UTCDateTime()))
+    .order_by(_budget.c.reserved_at, _budget.c.id)
+)
+
+
+def _seed_budget_lock(dialect: str) -> sa.Insert:
+    """The lock's row, inserted unless it exists (another relay may insert it at once)."""
+    if dialect == "postgresql":
+        return postgresql.insert(send_budget_lock).values(id=1).on_conflict_do_nothing()
+    if dialect == "sqlite":
+        return sqlite.insert(send_budget_lock).values(id=1).on_conflict_do_nothing()
+    return sa.insert(send_budget_lock).values(id=1).prefix_with("IGNORE")
+
+
+def lock_send_budget(conn: sa.Connection) -> None:
+    """lock_send_budget -- Hold the budget's lock until this transaction ends, so bookings are
+    made one relay at a time, each seeing all the bookings committed before it.
+
+    An UPDATE of the lock's row (a row lock on PostgreSQL and MySQL/MariaDB, the write lock on
+    SQLite), which the migration inserts; if it is missing (the table emptied), it is put
+    back first."""
+    if conn.execute(_LOCK_BUDGET).rowcount == 1:
+        return
+    conn.execute(_seed_budget_lock(conn.dialect.name))
+    conn.execute(_LOCK_BUDGET)
+
+
+def send_bookings(conn: sa.Connection, *, since: datetime) -> list[Booking]:
+    """send_bookings -- The bookings whose hold on the budget ends after ``since``, in start
+    order. Read under :func:`lock_send_budget` (at READ COMMITTED, each statement sees what
+    was committed before it)."""
+    return [
+        Booking(start=row.reserved_at, recipients=row.recipients, until=row.occupied_until)
+        for row in conn.execute(_BOOKINGS, {"since": since})
+    ]
+
+
+def book_sends(conn: sa.Connection, *, relay_id: str, bookings: Sequence[Booking]) -> None:
+    """book_sends -- Record this relay's new bookings (sends with the same start and hold as
+    one row), under :func:`lock_send_budget`."""
+    rows = [
+        {
+            "relay_id": relay_id,
+            "reserved_at": b.start,
+            "recipients": b.recipients,
+            "occupied_until": b.until,
+        }
+        for b in merged(bookings)
+    ]
+    if rows:
+        conn.execute(sa.insert(_budget), rows)
+
+
+def prune_send_budget(conn: sa.Connection, *, before: datetime) -> int:
+    """prune_send_budget -- Delete bookings whose hold ended before ``before``: they can no
+    longer affect a new one."""
+    result = conn.execute(sa.delete(_budget).where(_budget.c.occupied_until < before))
+    return int(result.rowcount)

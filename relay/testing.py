@@ -67,10 +67,11 @@ class FakeSender:
                     os.write(fd, line)
                 finally:
                     os.close(fd)
-            if self._script is not None:
-                return self._script(message)
-            if self._queue:
+            script = self._script
+            if script is None and self._queue:
                 return self._queue.popleft()
+        if script is not None:  # outside the lock: a script that blocks holds up only its send
+            return script(message)
         return Accepted(provider_message_id=f"fake-{message.id}-{message.attempt}")
 
     @property

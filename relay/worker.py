@@ -41,7 +41,7 @@ from relay.config import RelayConfig
 from relay.db import READ_COMMITTED
 from relay.pause import ACCOUNT, Admission, Pauses, Scope, ScopeKind
 from relay.policy import Action, Decision, decide
-from relay.ratelimit import RateController, SlidingWindowLimiter
+from relay.ratelimit import RateController, SendBudget, Slot
 from relay.senders import (
     Accepted,
     Ambiguous,
@@ -57,7 +57,6 @@ __all__ = ["Relay"]
 
 log = logging.getLogger("relay")
 
-LIVE_REFRESH = 1.0  # seconds between counts of live relays when a send rate is set
 EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
 SWEEP_INTERVAL = 1.0  # seconds between sweeps for expired leases
 AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
@@ -156,8 +155,10 @@ class Relay:
         self._db_clock = DatabaseClock() if clock is None else None
         self.clock: Callable[[], datetime] = clock if clock is not None else self._db_clock  # type: ignore[assignment]
         self.relay_id = config.relay_id
-        self.limiter = SlidingWindowLimiter(None)
-        self.rate = RateController(self.limiter, self._total_rate())
+        self.rate = RateController(self._total_rate())
+        # the send budget all relays share; without --max-send-rate it is never touched
+        self.limiter = SendBudget(self.rate, clock=lambda: self.clock())
+        self._registered_at: datetime | None = None  # started_at of the row this relay holds
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="outbox-send")
@@ -166,7 +167,6 @@ class Relay:
         self._ready: list[_Ready] = []  # claimed, not yet started
         self._unsaved: list[_Done] = []  # finished sends whose finalize has not committed yet
         self._last_heartbeat = 0.0
-        self._last_live_count = 0.0
         self._sends_from = 0.0
         self.pauses = Pauses(config.pause_seconds)
         self._sender_errors = 0  # consecutive sends the sender raised on
@@ -295,7 +295,7 @@ class Relay:
         batch = list(self._unsaved)
         claims: list[store.Claim] = []
         expired: list[store.Expired] = []
-        wave: list[tuple[_Ready, list[float]]] = []
+        wave: list[tuple[_Ready, Slot | None]] = []
         marked: set[tuple[int, str]] = set()  # (id, claim token): an id may be in _ready twice
         ready_before = len(self._ready)
         began = time.monotonic()
@@ -312,7 +312,7 @@ class Relay:
                         lease_seconds=self.config.lease_seconds,
                     )
                     self._accept(conn, claims, now)
-                wave = self._admit()
+                wave = self._admit(conn)
                 for token, ids in _by_token(r.claim for r, _ in wave).items():
                     stamped = store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
                     marked.update((id_, token) for id_ in stamped)
@@ -445,25 +445,39 @@ class Relay:
     def _admissible(self) -> bool:
         return bool(self._ready) and self.limiter.available() >= 1
 
-    def _admit(self) -> list[tuple[_Ready, list[float]]]:
-        """The unstarted claims the rate limit lets start now, in order, each with a ticket."""
-        wave: list[tuple[_Ready, list[float]]] = []
-        for ready in self._ready:
-            ticket = self.limiter.take(max(1, ready.claim.recipient_count))
-            if ticket is None:
-                break
-            wave.append((ready, ticket))
-        return wave
+    def _admit(self, conn: sa.Connection) -> list[tuple[_Ready, Slot | None]]:
+        """The unstarted claims the rate limit lets start, in order, each with the slot its
+        send may start in (None: no limit, start at once).
+
+        With a limit they are booked in the budget all relays share, in this transaction,
+        under its lock: each at the earliest time that keeps every second within the limit,
+        as far as the horizon reaches; the rest wait for a later pass."""
+        if self.limiter.rate is None:
+            return [(ready, None) for ready in self._ready]
+        if not self._ready or self.limiter.available() < 1:
+            return []
+        store.lock_send_budget(conn)
+        now, mono = self.clock(), time.monotonic()  # after the lock: it may have been waited for
+        booked = store.send_bookings(conn, since=self.limiter.lookback(now))
+        sizes = [max(1, ready.claim.recipient_count) for ready in self._ready]
+        planned = self.limiter.plan(booked, sizes, now)
+        store.book_sends(conn, relay_id=self.relay_id, bookings=planned)
+        if (cutoff := self.limiter.prune_due(now)) is not None:
+            store.prune_send_budget(conn, before=cutoff)
+        return [
+            (ready, Slot(planned=mono, start=mono + (booking.start - now).total_seconds()))
+            for ready, booking in zip(self._ready, planned, strict=False)
+        ]
 
     def _start(
         self,
-        wave: list[tuple[_Ready, list[float]]],
+        wave: list[tuple[_Ready, Slot | None]],
         marked: set[tuple[int, str]],
         now: datetime,
     ) -> None:
         """Hand each marked message of the wave to a send thread. After a failed exchange the
         same id can be queued under two claims; only the one whose mark applied is sent."""
-        for ready, ticket in wave:
+        for ready, slot in wave:
             claim = ready.claim
             if (claim.id, claim.claim_token) not in marked:
                 log.warning(
@@ -482,7 +496,7 @@ class Relay:
             )
             started = time.monotonic()
             lease_ends = started + (claim.lease_expires_at - now).total_seconds()
-            future = self._pool.submit(self._send, message, ticket, lease_ends)
+            future = self._pool.submit(self._send, message, slot, lease_ends)
             self._in_flight[(claim.id, claim.claim_token)] = _InFlight(
                 claim=claim,
                 started_at=now,
@@ -493,14 +507,24 @@ class Relay:
             future.add_done_callback(lambda _f: self._wake.set())
 
     def _send(
-        self, message: OutgoingMessage, ticket: list[float], deadline: float
+        self, message: OutgoingMessage, slot: Slot | None, deadline: float
     ) -> tuple[Outcome, float]:
         """Runs on a worker thread. A sender that raises is treated as ambiguous: the request
         may have left before the error. Returns the outcome and the call's seconds.
 
         A thread that starts after the claim's lease ran out (the process was frozen) does not
         send: another relay may have swept the row already."""
-        self.limiter.started(ticket)  # the rate counts from the real start of the call
+        if slot is not None and (late := self.limiter.wait(slot)) is not None:
+            # later than its booking allows: sending now could crowd a second of the budget
+            log.warning(
+                "send started %.3fs after its booked time; given back unsent",
+                late,
+                extra={"action": "send_slot_missed", "message_id": message.id},
+            )
+            return Disabled(
+                code="send_slot_missed",
+                message=f"the send thread started {late:.3f}s after its booked time",
+            ), 0.0
         began = time.monotonic()
         if began >= deadline:
             return Disabled(code="lease_lost", message="lease expired before the send"), 0.0
@@ -714,11 +738,49 @@ class Relay:
     # -- heartbeat, drain, waiting ---------------------------------------------------------
 
     def _register(self) -> None:
+        """Take this relay's row in outbox_relays. Raises ConfigurationError if a live relay
+        (one that heartbeated within three heartbeat intervals, by the database's clock)
+        already holds the relay id: two relays under one id would share one row."""
+        try:
+            holder = self._take_row()
+        except sa.exc.IntegrityError:  # a relay with this id inserted its row just now
+            holder = self._take_row()
+        if holder is not None:
+            age = (self.clock() - holder.heartbeat_at).total_seconds()
+            self._drop_connection()  # run() ends here, before its own cleanup
+            raise ConfigurationError(
+                "--relay-id",
+                f"{self.relay_id!r} is in use by a running relay on host {holder.host} "
+                f"(pid {holder.pid}, {holder.state}, last heartbeat {age:.1f}s ago); give "
+                "each relay its own id (or leave --relay-id unset)",
+            )
+        self._last_heartbeat = time.monotonic()
+        log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
+
+    def _take_row(self) -> store.RelayHolder | None:
+        """Register; returns the live holder of the relay id instead, if there is one."""
         now = self.clock()
         with self._transaction() as conn:
-            store.register(
-                conn, relay_id=self.relay_id, host=socket.gethostname(), pid=os.getpid(), now=now
+            if self._registered_at is not None and store.heartbeat_held(
+                conn,
+                relay_id=self.relay_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                started_at=self._registered_at,
+                now=now,
+                state=self.state,
+            ):
+                return None  # registered already (a heartbeat before run() did it)
+            holder = store.register(
+                conn,
+                relay_id=self.relay_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                now=now,
+                dead_after=3 * self.config.heartbeat_interval,
             )
+            if holder is not None:
+                return holder
             if conn.dialect.name in ("mysql", "mariadb"):
                 level = conn.get_isolation_level()
                 if level != READ_COMMITTED:
@@ -728,42 +790,62 @@ class Relay:
                         level,
                         extra={"action": "isolation_level"},
                     )
-            if self.rate.total is not None:
-                self.rate.set_replicas(
-                    store.live_relays(conn, now=now, within=3 * self.config.heartbeat_interval)
-                )
-        self._last_heartbeat = time.monotonic()
-        if self.rate.total is not None:
-            # relays already running learn of this one within LIVE_REFRESH; until their
-            # shares have shrunk (and a window has passed), this one sends nothing
-            self._sends_from = time.monotonic() + LIVE_REFRESH + self.limiter.base_window
-        log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
+        self._registered_at = now
+        return None
 
     def _heartbeat(self, now: datetime) -> None:
-        if self.rate.total is not None and time.monotonic() - self._last_live_count >= LIVE_REFRESH:
-            with self._transaction() as conn:
-                within = 3 * self.config.heartbeat_interval
-                self.rate.set_replicas(store.live_relays(conn, now=now, within=within))
-            self._last_live_count = time.monotonic()
+        """Show this relay alive on its row. If the row is gone, register again; if another
+        relay with this id took it over (this one looked dead: frozen, or cut off from the
+        database, for three heartbeat intervals), stop: one id, one relay."""
         if time.monotonic() - self._last_heartbeat < self.config.heartbeat_interval:
             return
+        holder = None
         with self._transaction() as conn:
-            if not store.heartbeat(conn, relay_id=self.relay_id, now=now, state=self.state):
-                store.register(
+            mine = self._registered_at is not None and store.heartbeat_held(
+                conn,
+                relay_id=self.relay_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                started_at=self._registered_at,
+                now=now,
+                state=self.state,
+            )
+            if not mine:
+                holder = store.register(
                     conn,
                     relay_id=self.relay_id,
                     host=socket.gethostname(),
                     pid=os.getpid(),
                     now=now,
+                    dead_after=3 * self.config.heartbeat_interval,
                 )
-            if self.rate.total is not None:
-                within = 3 * self.config.heartbeat_interval
-                self.rate.set_replicas(store.live_relays(conn, now=now, within=within))
         self._last_heartbeat = time.monotonic()
+        if mine:
+            return
+        if holder is None:
+            self._registered_at = now
+            return
+        self._registered_at = None
+        log.error(
+            "relay id %r taken over by a relay on host %s (pid %s); stopping",
+            self.relay_id,
+            holder.host,
+            holder.pid,
+            extra={"action": "relay_id_taken", "relay_id": self.relay_id},
+        )
+        self.request_stop()
 
     def _deregister(self) -> None:
-        with self._transaction() as conn:
-            store.stop(conn, relay_id=self.relay_id, now=self.clock())
+        if self._registered_at is not None:
+            with self._transaction() as conn:
+                store.stop_held(
+                    conn,
+                    relay_id=self.relay_id,
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    started_at=self._registered_at,
+                    now=self.clock(),
+                )
         log.info("relay stopped", extra={"action": "stopped", "relay_id": self.relay_id})
 
     def _drain(self) -> None:

@@ -28,12 +28,19 @@ ALTER USER '${APP_USER}'@'${CLIENT_HOST}' IDENTIFIED BY '${APP_PASSWORD}';
 --     mark_send_started, extend_lease, finalize, retry, fail, hold, release, sweep, expire.
 --   outbox_attempts: one INSERT per attempt and per swept send; SELECT for operators' `show`
 --     (requeue and cancel add an attempt row too).
---   outbox_relays: register (DELETE its own old row, INSERT), heartbeat and stop (UPDATE),
---     the count of live relays that shares --max-send-rate (SELECT).
+--   outbox_relays: register (INSERT, or take over a dead relay's row: UPDATE, SELECT),
+--     heartbeat and stop (UPDATE).
+--   outbox_send_budget, outbox_send_budget_lock: with --max-send-rate, every send is booked
+--     (INSERT) after reading the bookings (SELECT) under the lock row (UPDATE; INSERT puts it
+--     back if it is missing); old bookings are deleted (DELETE).
 --   the views: SELECT, for `outbox-relay status` and /metrics (which reads outbox_lag).
 GRANT SELECT, UPDATE ON `${DB_NAME}`.`outbox_messages` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_attempts` TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT, INSERT, UPDATE, DELETE ON `${DB_NAME}`.`outbox_relays`
+GRANT SELECT, INSERT, UPDATE ON `${DB_NAME}`.`outbox_relays`
+    TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT, DELETE ON `${DB_NAME}`.`outbox_send_budget`
+    TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT, UPDATE ON `${DB_NAME}`.`outbox_send_budget_lock`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_status_summary` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_lag` TO '${RELAY_USER}'@'${CLIENT_HOST}';

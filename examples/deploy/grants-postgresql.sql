@@ -50,12 +50,17 @@ GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"app_role";
 --     the row. The relay never inserts or deletes a message.
 --   outbox_attempts: one INSERT per attempt and per swept send; SELECT for operators'
 --     `show` (requeue and cancel add an attempt row too).
---   outbox_relays: register (DELETE its own old row, INSERT), heartbeat and stop (UPDATE),
---     the count of live relays that shares --max-send-rate (SELECT).
+--   outbox_relays: register (INSERT, or take over a dead relay's row: UPDATE, SELECT),
+--     heartbeat and stop (UPDATE).
+--   outbox_send_budget, outbox_send_budget_lock: with --max-send-rate, every send is booked
+--     (INSERT) after reading the bookings (SELECT) under the lock row (UPDATE; INSERT puts it
+--     back if it is missing); old bookings are deleted (DELETE).
 --   the views: SELECT, for `outbox-relay status` and /metrics (which reads outbox_lag).
 GRANT SELECT, UPDATE ON :"schema".outbox_messages TO :"relay_role";
 GRANT SELECT, INSERT ON :"schema".outbox_attempts TO :"relay_role";
-GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_relays TO :"relay_role";
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_relays TO :"relay_role";
+GRANT SELECT, INSERT, DELETE ON :"schema".outbox_send_budget TO :"relay_role";
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_send_budget_lock TO :"relay_role";
 GRANT SELECT ON :"schema".outbox_status_summary, :"schema".outbox_lag,
     :"schema".outbox_unknown_outcomes, :"schema".outbox_failures,
     :"schema".outbox_relay_health

@@ -16,7 +16,13 @@ from alembic.runtime.migration import MigrationContext
 from outbox import migrations
 from outbox.schema import metadata
 
-TABLES = {"outbox_messages", "outbox_attempts", "outbox_relays"}
+TABLES = {
+    "outbox_messages",
+    "outbox_attempts",
+    "outbox_relays",
+    "outbox_send_budget",
+    "outbox_send_budget_lock",
+}
 
 
 def outbox_tables(engine: sa.Engine) -> tuple[set[str], set[str]]:
@@ -173,7 +179,7 @@ def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout + done.stderr
 
-    assert "outbox_0001" in alembic("heads")
+    assert "outbox_0002" in alembic("heads")
     alembic("upgrade", "heads")
     engine = sa.create_engine(host_database)
     try:
@@ -183,7 +189,7 @@ def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):
             versions = {
                 r[0] for r in conn.exec_driver_sql("SELECT version_num FROM alembic_version")
             }
-        assert versions == {"host_0001", "outbox_0001"}
+        assert versions == {"host_0001", "outbox_0002"}
         # The host's autogenerate sees no drift: our objects are hidden from it.
         assert "No new upgrade operations detected" in alembic("check")
         alembic("downgrade", "outbox@base")

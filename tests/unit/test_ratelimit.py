@@ -1,199 +1,388 @@
-"""relay.ratelimit.SlidingWindowLimiter, on a fake clock the tests move by hand."""
+"""relay.ratelimit: the shared send budget's arithmetic, on clocks the tests set by hand.
+
+Times are datetimes (the database's clock), so the arithmetic is exact to the microsecond.
+The property tests book sends for several relays in turn, as the budget's lock orders them,
+start each up to the slack late, and check the provider's view: every sliding second of
+starts within the limit, every send over the limit alone for its time, the average kept.
+"""
 
 from __future__ import annotations
 
 import math
+import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.ratelimit import RateController, SlidingWindowLimiter
+from relay.ratelimit import (
+    HORIZON,
+    LATE_START,
+    SLACK,
+    WINDOW,
+    Booking,
+    RateController,
+    SendBudget,
+    Slot,
+    earliest_start,
+    merged,
+    occupation,
+)
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+SPAN = WINDOW + SLACK
+
+
+def s(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def at(seconds: float, recipients: int = 1, limit: float = math.inf) -> Booking:
+    start = T0 + s(seconds)
+    return Booking(start=start, recipients=recipients, until=start + occupation(recipients, limit))
+
+
+def first(booked: list[Booking], recipients: int, limit: float, now: float = 0.0) -> float:
+    start = earliest_start(booked, recipients, limit=limit, now=T0 + s(now), span=SPAN)
+    return (start - T0).total_seconds()
 
 
 class Clock:
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
+    def __init__(self) -> None:
+        self.now = T0
 
-    def __call__(self) -> float:
+    def __call__(self) -> datetime:
         return self.now
 
     def advance(self, seconds: float) -> None:
-        self.now += seconds
+        self.now += s(seconds)
 
 
-def limiter(rate: float | None, clock: Clock, window: float = 1.0) -> SlidingWindowLimiter:
-    return SlidingWindowLimiter(rate, window=window, clock=clock)
+def budget(total: float | None, clock: Clock) -> SendBudget:
+    """A budget that books from ``now`` itself (no handoff to allow for), so the times the
+    tests expect are the arithmetic's alone."""
+    return SendBudget(RateController(total), clock=clock, handoff=0.0)
 
 
-def test_no_rate_means_no_limit():
+# -- the arithmetic --------------------------------------------------------------------------
+
+
+def test_a_send_within_the_limit_holds_nothing_past_its_start():
+    assert occupation(1, 10) == timedelta(0)
+    assert occupation(10, 10) == timedelta(0)
+
+
+def test_a_send_over_the_limit_holds_the_budget_for_what_its_recipients_are_worth():
+    assert occupation(50, 10) == s(4)  # five seconds' worth, less the window holding its start
+    assert occupation(11, 10) == s(0.1)
+    assert occupation(1, 0.25) == s(3)  # at 0.25/s one recipient is worth four seconds
+    assert occupation(3, 7) == timedelta(0)
+
+
+def test_an_empty_budget_lets_a_send_start_now():
+    assert first([], 1, limit=1, now=3.0) == 3.0
+    assert first([], 50, limit=10, now=3.0) == 3.0
+
+
+def test_at_one_per_second_sends_are_a_window_and_the_slack_apart():
+    booked: list[Booking] = []
+    starts = []
+    for _ in range(4):
+        start = first(booked, 1, limit=1)
+        starts.append(start)
+        booked.append(at(start, 1, 1))
+    assert starts == [0.0, 1.05, 2.1, 3.15]
+
+
+def test_a_send_waits_only_until_enough_has_left_the_window():
+    booked = [at(0.0, 4), at(0.5, 6)]
+    assert first(booked, 4, limit=10, now=0.6) == 1.05  # the 4 left: 6 + 4 fit
+    assert first(booked, 5, limit=10, now=0.6) == 1.55  # the 6 must leave too
+    assert first(booked, 0 + 1, limit=10, now=2.0) == 2.0  # everything has left
+
+
+def test_sends_that_fit_together_share_a_start():
+    booked = [at(0.0, 4), at(0.0, 5)]
+    assert first(booked, 1, limit=10) == 0.0
+    assert first(booked, 2, limit=10) == 1.05
+
+
+def test_nothing_is_booked_before_the_last_booking():
+    """Another relay booked a send for later in its horizon: the schedule only grows at its
+    end, which is what keeps every window the new send falls in easy to check."""
+    assert first([at(0.08, 1)], 1, limit=100, now=0.0) == 0.08
+
+
+def test_a_send_over_the_limit_goes_alone_and_holds_the_budget_for_its_time():
+    limit = 10
+    booked = [at(0.0, 1)]
+    big = first(booked, 50, limit=limit, now=0.2)
+    assert big == 1.05  # alone: the send before it has left its window
+    booked.append(at(big, 50, limit))
+    assert booked[-1].until == T0 + s(5.05)
+    after = first(booked, 1, limit=limit, now=big)
+    assert after == pytest.approx(big + 5 + SLACK.total_seconds())  # 50 at 10/s: five seconds
+    assert first(booked, 50, limit=limit, now=big) == after
+
+
+def test_a_send_of_exactly_the_limit_needs_an_empty_window():
+    assert first([at(0.0, 1)], 10, limit=10) == 1.05
+    assert first([at(0.0, 10)], 1, limit=10) == 1.05
+
+
+def test_a_limit_below_one_per_second_spaces_single_recipients():
+    booked: list[Booking] = []
+    for expected in (0.0, 4.05, 8.1):
+        start = first(booked, 1, limit=0.25)
+        assert start == pytest.approx(expected)
+        booked.append(at(start, 1, 0.25))
+
+
+def test_merged_keeps_the_schedule_in_fewer_bookings():
+    rows = merged([at(0, 1), at(0, 2), at(0, 50, 10), at(1, 1), at(1, 1)])
+    assert [(b.start, b.recipients) for b in rows] == [
+        (T0, 3),
+        (T0, 50),
+        (T0 + s(1), 2),
+    ]
+
+
+# -- planning a wave -------------------------------------------------------------------------
+
+
+def test_plan_books_what_starts_within_the_horizon_and_remembers_when_to_look_again():
     clock = Clock()
-    unlimited = limiter(None, clock)
-    assert all(unlimited.try_take(50) for _ in range(10_000))
-    assert unlimited.available() == math.inf
-    assert unlimited.seconds_until_available() == 0.0
+    plan = budget(1.0, clock)
+    assert plan.available() == 1
+    booked = plan.plan([], [1, 1, 1], clock.now)
+    assert [b.start for b in booked] == [T0]
+    assert plan.available() == 0  # the next send could start at +1.05: beyond the horizon
+    assert plan.seconds_until_available() == pytest.approx((SPAN - HORIZON).total_seconds())
+    clock.advance((SPAN - HORIZON).total_seconds())
+    assert plan.available() == 1
+    assert plan.seconds_until_available() == 0
 
 
-def test_the_rate_is_a_hard_cap_within_one_window():
+def test_plan_books_ahead_within_the_horizon():
     clock = Clock()
-    lim = limiter(10, clock)
-    assert lim.available() == 10
-    assert lim.try_take(4)
-    assert lim.try_take(6)
-    assert lim.available() == 0
-    assert not lim.try_take(1)
-    clock.advance(0.5)
-    assert not lim.try_take(1)
-    clock.advance(0.25)
-    assert not lim.try_take(1)
-    assert lim.seconds_until_available() == 0.25
+    plan = budget(10.0, clock)
+    booked = [at(-1.0, 8)]  # leaves the window at -1 + 1.05 = +0.05
+    wave = plan.plan(booked, [2, 5, 1], clock.now)
+    assert [(b.start - T0).total_seconds() for b in wave] == [0.0, 0.05, 0.05]
 
 
-def test_a_refused_take_consumes_nothing():
+def test_plan_keeps_the_order_of_the_wave():
+    """A small send behind one that must wait is not booked before it."""
     clock = Clock()
-    lim = limiter(5, clock)
-    assert lim.try_take(3)
-    assert not lim.try_take(3)
-    assert lim.available() == 2
-    assert lim.try_take(2)
-    assert lim.available() == 0
+    plan = budget(10.0, clock)
+    wave = plan.plan([at(0.0, 5)], [8, 1], clock.now)
+    assert wave == []
+    assert plan.seconds_until_available() == pytest.approx((SPAN - HORIZON).total_seconds())
 
 
-def test_capacity_frees_as_the_oldest_sends_leave_the_window():
+def test_a_throttled_relay_books_with_half_the_limit():
+    ticks = [0.0]
+    controller = RateController(10.0, clock=lambda: ticks[0])
     clock = Clock()
-    lim = limiter(10, clock)
-    assert lim.try_take(4)  # at t=0
-    clock.advance(0.5)
-    assert lim.try_take(6)  # at t=0.5
-    assert lim.seconds_until_available() == 0.5
-    clock.advance(0.25)  # t=0.75: both still in the window
-    assert lim.available() == 0
-    assert lim.seconds_until_available() == 0.25
-    clock.advance(0.25)  # t=1.0: the first send leaves the window
-    assert lim.available() == 4
-    assert lim.seconds_until_available() == 0.0
-    assert not lim.try_take(5)
-    assert lim.try_take(4)
-    assert lim.seconds_until_available() == 0.5
-    clock.advance(0.5)  # t=1.5: the second send leaves
-    assert lim.available() == 6
-    clock.advance(1.0)  # t=2.5: everything has left
-    assert lim.available() == 10
-    assert lim.try_take(10)
+    plan = SendBudget(controller, clock=clock)
+    controller.on_throttle()
+    assert plan.rate == 5.0
+    wave = plan.plan([], [3, 3], clock.now)
+    assert len(wave) == 1  # 6 > 5
 
 
-def test_waiting_the_time_it_reports_is_enough_and_no_longer():
+def test_without_a_limit_there_is_no_budget():
     clock = Clock()
-    lim = limiter(3, clock)
-    for _ in range(30):
-        clock.advance(lim.seconds_until_available())
-        assert lim.try_take(1)
-    # Three at t=0, three at t=1, ... three at t=9: never early, never later than needed.
-    assert clock.now == 1009.0
+    plan = budget(None, clock)
+    assert plan.rate is None
+    assert plan.available() == math.inf
+    assert plan.seconds_until_available() == 0
+    with pytest.raises(ValueError, match="no send limit"):
+        plan.plan([], [1], clock.now)
 
 
-def test_a_message_bigger_than_the_rate_goes_alone():
+def test_old_bookings_are_pruned_once_a_second():
     clock = Clock()
-    lim = limiter(5, clock)
-    assert lim.try_take(8)  # an empty window lets it through
-    assert lim.available() == 0
-    assert not lim.try_take(1)
-    clock.advance(0.5)
-    assert not lim.try_take(1)
-    assert lim.seconds_until_available() == 0.5
-    clock.advance(0.5)
-    assert lim.available() == 5
-    assert lim.try_take(1)
-    # Not in a window that already holds something.
-    assert not lim.try_take(8)
-    clock.advance(1.0)
-    assert lim.try_take(8)
+    ticks = [100.0]
+    plan = SendBudget(RateController(5.0), clock=clock, monotonic=lambda: ticks[0])
+    assert plan.prune_due(clock.now) == T0 - SPAN
+    assert plan.prune_due(clock.now) is None
+    ticks[0] += 1.0
+    assert plan.prune_due(clock.now + s(1)) == T0 + s(1) - SPAN
 
 
-def test_a_longer_window_counts_over_its_whole_length():
+def slot(start: float) -> Slot:
+    return Slot(planned=time.monotonic(), start=start)
+
+
+def test_a_send_thread_waits_for_its_slot_and_refuses_to_start_late():
+    plan = budget(1.0, Clock())
+    start = time.monotonic() + 0.03
+    assert plan.wait(slot(start)) is None
+    assert time.monotonic() >= start
+    tolerated = LATE_START.total_seconds()
+    assert plan.wait(slot(time.monotonic() - tolerated / 2)) is None  # late, but allowed
+    late = plan.wait(slot(time.monotonic() - tolerated - 0.01))  # too late: no send
+    assert late is not None
+    assert late > tolerated
+    assert LATE_START < SLACK  # the rest of the slack is for the way to the provider
+
+
+def test_sends_are_booked_as_far_ahead_as_their_handoff_to_a_thread_takes():
+    """A booking reaches its send thread only after the transaction commits: the budget
+    learns how long that takes and books that far ahead, so threads wait instead of being
+    late, and forgets a slow handoff again."""
     clock = Clock()
-    lim = limiter(100, clock, window=60.0)
-    assert lim.try_take(50)
-    clock.advance(30.0)
-    assert lim.try_take(50)
-    clock.advance(29.0)
-    assert not lim.try_take(1)
-    assert lim.seconds_until_available() == 1.0
-    clock.advance(1.0)
-    assert lim.available() == 50
-
-
-@given(
-    rate=st.integers(min_value=1, max_value=20),
-    steps=st.lists(
-        st.tuples(st.integers(min_value=0, max_value=700), st.integers(min_value=1, max_value=30)),
-        max_size=80,
-    ),
-)
-def test_no_window_ever_holds_more_than_the_rate(rate, steps):
-    """Integer milliseconds with a 1000 ms window, so the arithmetic is exact."""
-    clock = Clock(start=0)
-    lim = limiter(rate, clock, window=1000)
-    taken: list[tuple[int, int]] = []
-    for wait, recipients in steps:
-        clock.advance(wait)
-        recent = sum(n for t, n in taken if t > clock.now - 1000)
-        allowed = lim.try_take(recipients)
-        # It refuses only when the message would not fit next to what is in the window.
-        assert allowed == (recent == 0 or recent + recipients <= rate)
-        if allowed:
-            taken.append((clock.now, recipients))
-    for start, _ in taken:
-        window = [n for t, n in taken if start <= t < start + 1000]
-        assert sum(window) <= rate or len(window) == 1
-
-
-class Tick:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def test_rate_controller_splits_the_total_between_live_relays():
-
-    limiter = SlidingWindowLimiter(None)
-    controller = RateController(limiter, 90.0)
-    assert limiter.rate == 90.0
-    controller.set_replicas(3)
-    assert limiter.rate == 30.0
-    controller.set_replicas(0)  # never divide by zero: this relay is alive
-    assert limiter.rate == 90.0
-    controller.set_total(None)
-    assert limiter.rate is None
+    plan = SendBudget(RateController(10.0), clock=clock)
+    assert plan.lead == s(0.05)  # a first guess: the first commit of a process is slow
+    assert plan.plan([], [1], clock.now)[0].start == T0 + s(0.05)
+    plan.wait(Slot(planned=time.monotonic() - 0.08, start=time.monotonic()))
+    assert plan.lead == pytest.approx(s(0.08), abs=s(0.005))
+    plan.wait(Slot(planned=time.monotonic() - 1.0, start=time.monotonic()))
+    assert plan.lead == HORIZON / 2  # never more than half the horizon
+    for _ in range(300):
+        plan.wait(Slot(planned=time.monotonic(), start=time.monotonic()))
+    assert plan.lead < s(0.01)
 
 
 def test_rate_controller_halves_on_throttling_and_recovers_linearly():
-
-    clock = Tick()
-    limiter = SlidingWindowLimiter(None, clock=clock)
-    controller = RateController(limiter, 100.0, clock=clock)
+    ticks = [0.0]
+    controller = RateController(100.0, clock=lambda: ticks[0])
     controller.on_throttle()
-    assert limiter.rate == 50.0
+    assert controller.rate == 50.0
     controller.on_throttle()
-    assert limiter.rate == 25.0
-    clock.t += 5.0
+    assert controller.rate == 25.0
+    ticks[0] += 5.0
     controller.tick()
-    assert limiter.rate == pytest.approx(50.0)  # +5% of the share per second
-    clock.t += 100.0
+    assert controller.rate == pytest.approx(50.0)  # +5% of the total per second
+    ticks[0] += 100.0
     controller.tick()
-    assert limiter.rate == 100.0
+    assert controller.rate == 100.0
     for _ in range(20):
         controller.on_throttle()
-    assert limiter.rate == pytest.approx(100.0 * RateController.FLOOR)
+    assert controller.rate == pytest.approx(100.0 * RateController.FLOOR)
+    controller.set_total(None)
+    assert controller.rate is None
 
 
-def test_a_rate_below_one_per_second_widens_the_window():
-    clock = Tick()
-    limiter = SlidingWindowLimiter(0.25, clock=clock)
-    assert limiter.try_take(1)
-    clock.t += 3.9
-    assert not limiter.try_take(1)
-    clock.t += 0.2
-    assert limiter.try_take(1)
+# -- properties: what the provider sees --------------------------------------------------------
+
+
+def valid(bookings: list[Booking], limit: float, span: timedelta) -> bool:
+    """Every window of ``span`` within the limit; one that meets a send over the limit (its
+    start to the end of its hold) meets nothing else."""
+    for a in sorted({b.start for b in bookings} | {b.until for b in bookings}):
+        for lo in (a, a - span + timedelta(microseconds=1)):
+            inside = [b for b in bookings if b.start < lo + span and b.until >= lo]
+            big = [b for b in inside if b.recipients > limit]
+            if big and len(inside) > 1:
+                return False
+            if sum(b.recipients for b in inside) > limit and not big:
+                return False
+    return True
+
+
+@st.composite
+def runs(draw):
+    limit = draw(st.sampled_from([0.25, 1.0, 2.5, 10.0, 25.0]))
+    passes = draw(
+        st.lists(
+            st.tuples(
+                st.integers(min_value=0, max_value=1_500_000),  # µs since the previous pass
+                st.lists(st.integers(min_value=1, max_value=60), min_size=1, max_size=6),
+            ),
+            min_size=1,
+            max_size=25,
+        )
+    )
+    lateness = draw(
+        st.lists(
+            st.integers(min_value=0, max_value=SLACK // timedelta(microseconds=1)),
+            min_size=150,
+            max_size=150,
+        )
+    )
+    return limit, passes, lateness
+
+
+def book(limit: float, passes) -> list[tuple[datetime, Booking]]:
+    """Relays taking turns at the budget (its lock orders them): each pass books what its
+    wave may start within the horizon. Returns (the pass's now, booking) in booking order."""
+    clock = Clock()
+    plan = budget(limit, clock)
+    schedule: list[Booking] = []
+    made = []
+    for gap, sizes in passes:
+        clock.advance(gap / 1e6)
+        since = plan.lookback(clock.now)
+        booked = [b for b in schedule if b.until > since]
+        for booking in plan.plan(booked, sizes, clock.now):
+            assert clock.now <= booking.start <= clock.now + HORIZON
+            schedule.append(booking)
+            made.append((clock.now, booking))
+    return made
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs())
+def test_no_second_at_the_provider_ever_holds_more_than_the_limit(run):
+    limit, passes, lateness = run
+    made = book(limit, passes)
+    # each send really starts at its booking or up to the slack later
+    starts = sorted(
+        (b.start + timedelta(microseconds=lateness[i % len(lateness)]), b.recipients)
+        for i, (_, b) in enumerate(made)
+    )
+    for i, (start, recipients) in enumerate(starts):
+        window = [r for t, r in starts if start <= t < start + WINDOW]
+        if recipients > limit:
+            worth = timedelta(microseconds=math.ceil(recipients * 1e6 / limit))
+            others = [t for j, (t, _) in enumerate(starts) if j != i]
+            assert all(t <= start - WINDOW or t >= start + worth for t in others), (start, worth)
+        elif all(r <= limit for t, r in starts if start <= t < start + WINDOW):
+            assert sum(window) <= limit, (start, window)
+    if starts:
+        (t0, _), (tn, rn) = starts[0], starts[-1]
+        total = sum(r for _, r in starts)
+        worth_last = max(1.0, rn / limit)
+        assert total <= limit * ((tn - t0).total_seconds() + worth_last) + 1e-6
+
+
+def brute_earliest(schedule: list[Booking], recipients: int, limit: float, floor: datetime):
+    """The earliest valid start no earlier than ``floor``, by trying every moment where a
+    window's contents change (a booking leaving the stretch, a hold ending)."""
+    candidates = {floor} | {t + SPAN for b in schedule for t in (b.start, b.until)}
+    for start in sorted(c for c in candidates if c >= floor):
+        trial = Booking(
+            start=start, recipients=recipients, until=start + occupation(recipients, limit)
+        )
+        if valid([*schedule, trial], limit, SPAN):
+            return start
+    raise AssertionError("no valid start")
+
+
+@settings(max_examples=200, deadline=None)
+@given(runs())
+def test_every_booking_is_the_earliest_that_keeps_the_windows(run):
+    """Exact, not merely safe: each send is booked at the earliest moment a brute-force search
+    finds, and one left for later could not have started within the horizon."""
+    limit, passes, _ = run
+    clock = Clock()
+    plan = budget(limit, clock)
+    schedule: list[Booking] = []
+    for gap, sizes in passes:
+        clock.advance(gap / 1e6)
+        wave = plan.plan(schedule, sizes, clock.now)
+        for recipients, booking in zip(sizes, wave, strict=False):
+            floor = max([clock.now, *(b.start for b in schedule[-1:])])
+            assert booking.start == brute_earliest(schedule, recipients, limit, floor)
+            schedule.append(booking)
+        if len(wave) < len(sizes):
+            floor = max([clock.now, *(b.start for b in schedule[-1:])])
+            waiting = brute_earliest(schedule, sizes[len(wave)], limit, floor)
+            assert waiting > clock.now + HORIZON
+            assert plan.seconds_until_available() == pytest.approx(
+                (waiting - HORIZON - clock.now).total_seconds(), abs=1e-6
+            )
+        assert valid(schedule, limit, SPAN)
