@@ -74,6 +74,7 @@ __all__ = [
     "record_attempts",
     "register",
     "release",
+    "release_unsent",
     "release_unstarted",
     "requeue",
     "schedule_retry",
@@ -92,9 +93,10 @@ _CLAIM_COLUMNS = (
     m.c.category,
     m.c.priority,
     m.c.status,
-    # read as the stored text (PostgreSQL's driver still decodes json): a row edited into
-    # garbage must fail as invalid_payload in the relay, not break the claim that reads it
-    sa.type_coerce(m.c.payload, sa.Text).label("payload"),
+    # read as text, cast in SQL so no driver decodes it: a row edited into garbage (or JSON
+    # too deep or too large for Python to decode) fails as invalid_payload in the relay, and
+    # never breaks the claim that reads it
+    sa.cast(m.c.payload, sa.Text).label("payload"),
     m.c.recipient_count,
     m.c.claim_token,
     m.c.attempt_count,
@@ -444,7 +446,7 @@ _FINALIZE_SENT_BATCH = (
         sent_at=_BATCH_NOW,
         provider_message_id=_BATCH.c.provider_id,
     )
-    .returning(m.c.id)
+    .returning(m.c.id, _BATCH.c.token)
 )
 _FINALIZE_SENT_EACH = (
     sa.update(m)
@@ -464,27 +466,39 @@ _FINALIZE_SENT_EACH = (
 
 def finalize_sent_many(
     conn: sa.Connection, items: Sequence[tuple[int, str, str | None]], *, now: datetime
-) -> set[int]:
+) -> set[tuple[int, str]]:
     """finalize_sent for a batch: each row keeps its own id + claim token + status guard.
-    ``items`` are (id, claim_token, provider_message_id); returns the ids that moved to sent.
+    ``items`` are (id, claim_token, provider_message_id); returns the (id, claim_token) pairs
+    that moved to sent (an id can come twice: a swept row's late result beside its new one).
 
     PostgreSQL runs it as one ``UPDATE ... FROM unnest(...) RETURNING`` (one statement, one
-    plan, whatever the batch size); elsewhere it is one executemany of the guarded UPDATE."""
+    plan, whatever the batch size); elsewhere it is one executemany of the guarded UPDATE, or
+    one statement per row when an id repeats."""
     if not items:
         return set()
     if conn.dialect.name == "postgresql":
         ids, tokens, provider_ids = (list(column) for column in zip(*items, strict=True))
         params = {"b_ids": ids, "b_tokens": tokens, "b_provider_ids": provider_ids, "b_now": now}
-        return set(conn.execute(_FINALIZE_SENT_BATCH, params).scalars())
+        return {(row[0], row[1]) for row in conn.execute(_FINALIZE_SENT_BATCH, params)}
     rows = [{"b_id": i, "b_token": t, "b_provider_id": p, "b_now": now} for i, t, p in items]
+    if len({i for i, _t, _p in items}) < len(items):
+        return {
+            (i, t)
+            for (i, t, _p), row in zip(items, rows, strict=True)
+            if conn.execute(_FINALIZE_SENT_EACH, row).rowcount == 1
+        }
     if conn.execute(_FINALIZE_SENT_EACH, rows).rowcount == len(items):
-        return {i for i, _t, _p in items}
+        return {(i, t) for i, t, _p in items}
     # Some guard failed (a stale claim): find which rows this statement moved.
-    wanted = {i: p for i, _t, p in items}
+    wanted = {i: (t, p) for i, t, p in items}
     moved = sa.select(m.c.id, m.c.provider_message_id).where(
         m.c.id.in_(list(wanted)), m.c.status == Status.SENT.value, m.c.sent_at == now
     )
-    return {row.id for row in conn.execute(moved) if row.provider_message_id == wanted[row.id]}
+    return {
+        (row.id, wanted[row.id][0])
+        for row in conn.execute(moved)
+        if row.provider_message_id == wanted[row.id][1]
+    }
 
 
 def schedule_retry(
@@ -589,23 +603,52 @@ def release_unstarted(
     now: datetime,
     next_attempt_at: datetime | None = None,
 ) -> int:
-    """release_unstarted -- Give back rows of a claim whose send never started (drain, a
-    pause), in one statement; returns how many went back. ``next_attempt_at`` moves them back
-    in line (a paused scope's messages wait for its probe)."""
+    """release_unstarted -- Give back rows of a claim whose send never started (not marked),
+    in one statement; returns how many went back. ``next_attempt_at`` moves them back in
+    line."""
     if not ids:
         return 0
+    stmt = _release_statement(ids, claim_token, now, next_attempt_at).where(
+        m.c.send_started_at.is_(None)
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+def release_unsent(
+    conn: sa.Connection,
+    *,
+    ids: Sequence[int],
+    claim_token: str,
+    now: datetime,
+    next_attempt_at: datetime | None = None,
+) -> int:
+    """release_unsent -- Give back rows of a claim that its holder never handed to a send
+    (drain, a pause), marked or not, in one statement; returns how many went back.
+
+    Unlike :func:`release_unstarted` this does not require ``send_started_at IS NULL``: after
+    a commit that applied unseen, a row carries the send-started mark although its holder
+    never sent it, and only the holder knows that. Guarded by the claim token, so a row swept
+    and claimed by another relay is never touched. ``next_attempt_at`` moves the rows back in
+    line (a paused scope's messages wait for its probe)."""
+    if not ids:
+        return 0
+    stmt = _release_statement(ids, claim_token, now, next_attempt_at)
+    return int(conn.execute(stmt).rowcount)
+
+
+def _release_statement(
+    ids: Sequence[int], claim_token: str, now: datetime, next_attempt_at: datetime | None
+) -> sa.Update:
     later = {} if next_attempt_at is None else {"next_attempt_at": next_attempt_at}
-    stmt = (
+    return (
         sa.update(m)
         .where(
             m.c.id.in_(ids),
             m.c.claim_token == claim_token,
             m.c.status == Status.PROCESSING.value,
-            m.c.send_started_at.is_(None),
         )
-        .values(**_NO_CLAIM, **later, status=_PREVIOUS_STATUS, updated_at=now)
+        .values(**_NO_CLAIM, **later, status=_PREVIOUS_STATUS, send_started_at=None, updated_at=now)
     )
-    return int(conn.execute(stmt).rowcount)
 
 
 _ATTEMPT_FIELDS = (

@@ -33,8 +33,9 @@ from typing import Any
 import sqlalchemy as sa
 from blinker import NamedSignal
 
-from outbox.exceptions import ConfigurationError, InvalidEmail
+from outbox.exceptions import ConfigurationError
 from outbox.message import Email
+from outbox.schema import metadata as outbox_metadata
 from relay import signals, store
 from relay.clock import DatabaseClock
 from relay.config import RelayConfig
@@ -61,6 +62,10 @@ EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that ar
 SWEEP_INTERVAL = 1.0  # seconds between sweeps for expired leases
 AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 SENDER_ERRORS_TO_PAUSE = 3  # consecutive sends the sender raised on: pause, do not burn the queue
+STUCK_RETRY = 30.0  # seconds between tries to save a finished send that could not be saved
+# what the relay writes must fit its columns, or a provider's long answer would make a
+# finished send unsaveable
+_CODE_CHARS, _ID_CHARS, _TEXT_CHARS = 100, 255, 4000
 
 _OUTCOME_NAMES: dict[type, str] = {
     Accepted: "accepted",
@@ -161,11 +166,16 @@ class Relay:
         self._registered_at: datetime | None = None  # started_at of the row this relay holds
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="outbox-send")
+        # twice the concurrency: a call hung past --send-timeout keeps its thread, but not its
+        # slot; once as many are hung as there are slots, the relay pauses (sender_hung)
+        self._pool = ThreadPoolExecutor(2 * config.concurrency, thread_name_prefix="outbox-send")
         # keyed by (id, claim token): a swept and reclaimed row can be in flight twice
         self._in_flight: dict[tuple[int, str], _InFlight] = {}
         self._ready: list[_Ready] = []  # claimed, not yet started
         self._unsaved: list[_Done] = []  # finished sends whose finalize has not committed yet
+        self._stuck: list[_Done] = []  # finished sends that cannot be saved; kept, retried
+        self._last_stuck_retry = 0.0
+        self._probe_found_nothing = False  # an account probe's claim found no due message
         self._last_heartbeat = 0.0
         self._sends_from = 0.0
         self.pauses = Pauses(config.pause_seconds)
@@ -261,6 +271,7 @@ class Relay:
         self.rate.tick()
         self._collect(now)
         self._extend_leases(now)
+        self._retry_stuck(now)
         busy = self._exchange(now)
         self._heartbeat(now)
         busy = self._sweep(now) or busy
@@ -274,13 +285,17 @@ class Relay:
                 self._db_clock.sample(conn)
 
     def _check_schema(self) -> None:
+        """Refuse a database without every outbox table (never migrated, or migrated by an
+        older release)."""
         with self._transaction() as conn:
-            if not sa.inspect(conn).has_table(store.m.name):
-                raise ConfigurationError(
-                    "--database-url",
-                    f"the database has no outbox tables ({store.m.name} is missing); "
-                    "run `outbox-relay migrate` first",
-                )
+            present = set(sa.inspect(conn).get_table_names())
+        missing = sorted(set(outbox_metadata.tables) - present)
+        if missing:
+            raise ConfigurationError(
+                "--database-url",
+                f"the database lacks the outbox tables {', '.join(missing)}; "
+                "run `outbox-relay migrate` first",
+            )
 
     def _exchange(self, now: datetime) -> bool:
         """Save finished sends, claim what can be sent now, mark the wave the rate limit
@@ -345,57 +360,98 @@ class Relay:
         self._announce_expired(expired)
         if claims:
             log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
-        if probe and not claims and not self._ready and not wave:
-            self.pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
+        if probe:
+            self._probe_found_nothing = not (claims or self._ready or wave)
+            if self._probe_found_nothing:
+                self.pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
         self._start(wave, marked, now)
         return bool(batch or claims or expired or wave)
 
     def _save_alone(self, batch: list[_Done], now: datetime) -> None:
-        """Save each finished send of ``batch`` in its own transaction. One that still cannot
-        be saved is set aside: logged (with the provider's message id, so nothing the provider
-        said is lost) and announced as ``save_failed``, and the relay goes on."""
+        """Save each finished send of ``batch`` in its own transaction, so one that cannot be
+        saved never holds back the others or the next claims.
+
+        One that fails is saved again without its attempt row (a row deleted under it ends
+        here: its transition finds nothing, as for any stale claim), the attempt logged in
+        full instead. One whose transition itself fails is set aside: kept, its lease renewed
+        (the sweep must never turn a known outcome into an ambiguous one), retried every
+        ``STUCK_RETRY`` seconds, reported as ``save_failed``."""
         for done in batch:
             try:
-                with self._transaction() as conn:
-                    applied = self._save(conn, [done], now)
+                try:
+                    with self._transaction() as conn:
+                        applied = self._save(conn, [done], now)
+                except sa.exc.DBAPIError as exc:
+                    if _is_outage(exc):
+                        raise
+                    self._log_unsaved(done, exc, "its attempt row cannot be written")
+                    with self._transaction() as conn:
+                        applied = self._save(conn, [done], now, attempts=False)
+                    self._set_aside(done)
             except sa.exc.DBAPIError as exc:
                 if _is_outage(exc):
-                    raise  # the rest stay unsaved, for the next pass
-                self._unsaved.remove(done)
-                self.set_aside += 1
-                log.error(
-                    "a finished send cannot be saved; set aside: %s",
-                    exc.orig if exc.orig is not None else exc,
-                    extra={
-                        "action": "save_failed",
-                        "message_id": done.claim.id,
-                        "outcome": _outcome_name(done.outcome),
-                        "decision": done.decision.action.value,
-                        "code": done.decision.code,
-                        "provider_message_id": done.decision.provider_message_id,
-                    },
-                )
-                signals.save_failed.send(
-                    self,
-                    message_id=done.claim.id,
-                    category=done.claim.category,
-                    code=done.decision.code,
-                    provider_message_id=done.decision.provider_message_id,
-                    outcome=_outcome_name(done.outcome),
-                )
+                    raise  # the rest stay where they are, for the next pass
+                first = done not in self._stuck
+                self._remove(done)
+                self._stuck.append(done)
+                if first:
+                    self._log_unsaved(done, exc, "it cannot be saved; set aside, retried")
+                    self._set_aside(done)
                 continue
-            self._unsaved.remove(done)
+            self._remove(done)
             self._announce_saved([done], applied)
+
+    def _set_aside(self, done: _Done) -> None:
+        """Count and announce a finished send whose result could not be saved as it was."""
+        self.set_aside += 1
+        signals.save_failed.send(
+            self,
+            message_id=done.claim.id,
+            category=done.claim.category,
+            code=done.decision.code,
+            provider_message_id=done.decision.provider_message_id,
+            outcome=_outcome_name(done.outcome),
+        )
+
+    def _remove(self, done: _Done) -> None:
+        for pending in (self._unsaved, self._stuck):
+            if done in pending:
+                pending.remove(done)
+
+    def _retry_stuck(self, now: datetime) -> None:
+        if self._stuck and time.monotonic() - self._last_stuck_retry >= STUCK_RETRY:
+            self._last_stuck_retry = time.monotonic()
+            self._save_alone(list(self._stuck), now)
+
+    def _log_unsaved(self, done: _Done, exc: sa.exc.DBAPIError, what: str) -> None:
+        log.error(
+            "a finished send: %s: %s",
+            what,
+            exc.orig if exc.orig is not None else exc,
+            extra={
+                "action": "save_failed",
+                "message_id": done.claim.id,
+                "outcome": _outcome_name(done.outcome),
+                "decision": done.decision.action.value,
+                "code": done.decision.code,
+                "provider_message_id": done.decision.provider_message_id,
+            },
+        )
+
+    def _sending(self) -> int:
+        """Sends in flight within their deadline (a hung call past it holds no slot)."""
+        return sum(1 for flight in self._in_flight.values() if not flight.overdue)
 
     def _claim_limit(self) -> tuple[int, bool]:
         """How many rows to claim now, and whether the claim is a paused relay's probe."""
         if self._stopping.is_set() or time.monotonic() < self._sends_from:
             return 0, False
-        free = self.config.concurrency - len(self._in_flight) - len(self._ready)
+        sending = self._sending()
+        free = self.config.concurrency - sending - len(self._ready)
         limit = min(free, self.config.batch_size, int(min(self.limiter.available(), 1e9)))
         if not self.pauses.account_paused:
             return max(0, limit), False
-        if not self.pauses.probe_due(ACCOUNT) or self._in_flight or self._ready:
+        if not self.pauses.probe_due(ACCOUNT) or sending or self._ready:
             return 0, False
         return min(limit, 1), limit > 0
 
@@ -411,8 +467,10 @@ class Relay:
                 email = Email.from_payload(
                     json.loads(payload) if isinstance(payload, str) else payload
                 )
-            except (InvalidEmail, TypeError, ValueError) as exc:
-                decision = Decision(action=Action.FAIL, code="invalid_payload", message=str(exc))
+            except Exception as exc:  # not JSON, too deep or too large for Python, not an email
+                decision = _fitted(
+                    Decision(action=Action.FAIL, code="invalid_payload", message=str(exc))
+                )
                 self._unsaved.append(
                     _Done(
                         claim=claim,
@@ -434,7 +492,7 @@ class Relay:
                 self._ready.append(_Ready(claim=claim, email=email, probe=scope))
         for claim, wait in held:
             later = now + timedelta(seconds=wait)
-            store.release_unstarted(
+            store.release_unsent(
                 conn, ids=[claim.id], claim_token=claim.claim_token, now=now, next_attempt_at=later
             )
             log.info(
@@ -544,7 +602,7 @@ class Relay:
             if flight.future.done():
                 del self._in_flight[key]
                 outcome, duration = flight.future.result()
-                decision = decide(outcome, flight.claim.state, now)
+                decision = _fitted(decide(outcome, flight.claim.state, now))
                 if isinstance(outcome, Disabled) and outcome.pause and outcome.scope != ACCOUNT:
                     # only this scope is paused: its message steps back in line until its probe
                     later = now + timedelta(seconds=self.config.pause_seconds)
@@ -561,7 +619,9 @@ class Relay:
                 )
                 self._react(outcome, flight.probe)
 
-    def _save(self, conn: sa.Connection, batch: list[_Done], now: datetime) -> list[bool]:
+    def _save(
+        self, conn: sa.Connection, batch: list[_Done], now: datetime, *, attempts: bool = True
+    ) -> list[bool]:
         """Write each finished send's decision (guarded by its claim) and its attempt row;
         returns, per item, whether the decision applied."""
         if not batch:
@@ -576,11 +636,13 @@ class Relay:
             now=now,
         )
         applied = [
-            done.claim.id in sent
+            (done.claim.id, done.claim.claim_token) in sent
             if done.decision.action is Action.SENT
             else store.apply_decision(conn, done.claim, done.decision, now)
             for done in batch
         ]
+        if not attempts:
+            return applied
         store.record_attempts(
             conn,
             (
@@ -607,8 +669,14 @@ class Relay:
         if not self._unsaved:
             return False
         batch = list(self._unsaved)
-        with self._transaction() as conn:
-            applied = self._save(conn, batch, now)
+        try:
+            with self._transaction() as conn:
+                applied = self._save(conn, batch, now)
+        except sa.exc.DBAPIError as exc:
+            if _is_outage(exc):
+                raise
+            self._save_alone(batch, now)  # one that cannot be saved never holds back the rest
+            return True
         del self._unsaved[: len(batch)]
         self._announce_saved(batch, applied)
         return True
@@ -682,7 +750,10 @@ class Relay:
                     "send still running past --send-timeout; its lease is left to expire",
                     extra={"action": "send_overdue", "message_id": flight.claim.id},
                 )
-        held += [done.claim for done in self._unsaved]
+                hung = len(self._in_flight) - self._sending()
+                if hung >= self.config.concurrency and not self.pauses.account_paused:
+                    self._pause(ACCOUNT, "sender_hung")
+        held += [done.claim for done in self._unsaved + self._stuck]
         held += [ready.claim for ready in self._ready]
         due = [claim for claim in held if claim.lease_expires_at - now < half]
         if not due:
@@ -704,6 +775,7 @@ class Relay:
         for flight in self._in_flight.values():
             flight.claim = renewed(flight.claim)
         self._unsaved = [dataclasses.replace(d, claim=renewed(d.claim)) for d in self._unsaved]
+        self._stuck = [dataclasses.replace(d, claim=renewed(d.claim)) for d in self._stuck]
         for ready in self._ready:
             ready.claim = renewed(ready.claim)
         for claim in due:
@@ -891,9 +963,16 @@ class Relay:
         now = self.clock()
         with self._transaction() as conn:
             for token, ids in _by_token(r.claim for r in chosen).items():
-                store.release_unstarted(
+                back = store.release_unsent(
                     conn, ids=ids, claim_token=token, now=now, next_attempt_at=later
                 )
+                if back < len(ids):  # swept and taken by another relay meanwhile
+                    log.warning(
+                        "%d of %d claims were no longer held when given back",
+                        len(ids) - back,
+                        len(ids),
+                        extra={"action": "lease_lost"},
+                    )
         for ready in chosen:
             claim = ready.claim
             log.info("released unstarted", extra={"action": "released", "message_id": claim.id})
@@ -905,7 +984,10 @@ class Relay:
 
     def _idle(self) -> bool:
         """Nothing held, and the last claim was not cut short by the rate limit."""
-        busy = bool(self._in_flight or self._ready or self._unsaved or self.pauses)
+        busy = bool(self._in_flight or self._ready or self._unsaved or self._stuck)
+        # paused: idle once a probe found nothing due (a paused scope's held messages are
+        # not due; they wait for a later run)
+        busy = busy or (self.pauses.account_paused and not self._probe_found_nothing)
         busy = busy or time.monotonic() < self._sends_from
         return not busy and self.limiter.available() >= 1
 
@@ -1037,6 +1119,26 @@ def _end_idle_transactions(conn: sa.Connection, seconds: float) -> None:
     elif conn.dialect.name == "mysql":
         conn.exec_driver_sql(f"SET SESSION wait_timeout = {timeout}")
     conn.commit()
+
+
+def _fitted(decision: Decision) -> Decision:
+    """``decision`` with its code, message and provider id cut to what their columns hold (a
+    provider id too long for its column is kept whole in the message)."""
+    code, text, provider_id = decision.code, decision.message, decision.provider_message_id
+    if provider_id is not None and len(provider_id) > _ID_CHARS:
+        text = f"provider message id: {provider_id}; {text or ''}"
+        provider_id = provider_id[:_ID_CHARS]
+    if code is not None and len(code) > _CODE_CHARS:
+        code = code[:_CODE_CHARS]
+    if text is not None and len(text) > _TEXT_CHARS:
+        text = text[:_TEXT_CHARS]
+    if (code, text, provider_id) == (
+        decision.code,
+        decision.message,
+        decision.provider_message_id,
+    ):
+        return decision
+    return dataclasses.replace(decision, code=code, message=text, provider_message_id=provider_id)
 
 
 def _outcome_name(outcome: Outcome | None) -> str:

@@ -1107,9 +1107,23 @@ def test_finalize_sent_many_keeps_each_rows_own_guard(engine):
     items = [(c.id, c.claim_token, f"ses-{c.id}") for c in reclaimed]
     items.append((stale.id, stale.claim_token, "ses-stale"))
     moved = run(engine, store.finalize_sent_many, items=items, now=at(LEASE + 13))
-    assert moved == {c.id for c in reclaimed}
+    assert moved == {(c.id, c.claim_token) for c in reclaimed}
     assert row(engine, stale.id).status == Status.UNKNOWN_OUTCOME
     assert [row(engine, c.id).provider_message_id for c in reclaimed] == [
         f"ses-{c.id}" for c in reclaimed
     ]
     assert ids
+
+
+def test_finalize_sent_many_tells_which_claim_of_a_repeated_id_applied(engine):
+    """A swept row's late result and its new claim's result can land in one batch: only the
+    current claim's applies, and the answer names it by (id, claim token)."""
+    (mid,) = enqueue(engine)
+    old = claim_one(engine, T0)
+    sweep(engine, at(LEASE + 1))  # never marked: back to pending
+    new = claim_one(engine, at(LEASE + 2))
+    mark(engine, [new], at(LEASE + 3))
+    items = [(mid, old.claim_token, "ses-old"), (mid, new.claim_token, "ses-new")]
+    moved = run(engine, store.finalize_sent_many, items=items, now=at(LEASE + 4))
+    assert moved == {(mid, new.claim_token)}
+    assert row(engine, mid).provider_message_id == "ses-new"

@@ -1,0 +1,625 @@
+"""The relay loop against faults that once stopped it, or turned a known outcome into an unknown
+one: a payload Python cannot decode, a commit that applied unseen before a drain or a pause, a
+provider's answer longer than its column, a finished send the database refuses to save, calls
+hung past --send-timeout, exit_when_idle under a pause, and a swept row's late answer finishing
+beside its reclaim."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from outbox import Email
+from outbox.schema import messages
+from relay import signals, store, worker
+from relay.pause import Scope, ScopeKind
+from relay.senders import Accepted, Disabled, OutgoingMessage, Permanent
+from relay.testing import FakeSender
+from relay.worker import Relay
+from tests.integration.test_worker import (
+    OB,
+    Clock,
+    attempt_rows,
+    enqueue,
+    relay_for,
+    settle,
+    statuses,
+)
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+class HeldSender:
+    """Accepts every message (provider id ``ses-<id>-<attempt>``); a call for a held id, or
+    (id, attempt), first waits on its event. Records each call as (id, attempt)."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.gates: dict[object, threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def hold(self, *keys: object) -> threading.Event:
+        gate = threading.Event()
+        for key in keys:
+            self.gates[key] = gate
+        return gate
+
+    def release_all(self) -> None:
+        for gate in self.gates.values():
+            gate.set()
+
+    def send(self, message: OutgoingMessage) -> Accepted:
+        with self.lock:
+            self.calls.append((message.id, message.attempt))
+        gate = self.gates.get((message.id, message.attempt)) or self.gates.get(message.id)
+        if gate is not None:
+            gate.wait(10)
+        return Accepted(provider_message_id=f"ses-{message.id}-{message.attempt}")
+
+    def count(self, message_id: int) -> int:
+        with self.lock:
+            return [id_ for id_, _attempt in self.calls].count(message_id)
+
+
+def eventually(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class Run:
+    """``relay.run()`` on a thread, with what it raised."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.relay.run()
+        except BaseException as exc:  # reported by the test, not by the thread
+            self.errors.append(exc)
+
+    def returned_within(self, seconds: float) -> bool:
+        """True if run() returned (or raised) within ``seconds``."""
+        self.thread.join(seconds)
+        return not self.thread.is_alive()
+
+
+@contextlib.contextmanager
+def running(relay: Relay, *senders: HeldSender) -> Iterator[Run]:
+    """The relay running on a thread; stopped, and every held call let go, when the block ends
+    (so a regression fails the test instead of hanging it)."""
+    run = Run(relay)
+    try:
+        yield run
+    finally:
+        relay.request_stop()
+        for sender in senders:
+            sender.release_all()
+        run.thread.join(15)
+
+
+@contextlib.contextmanager
+def closing(relay: Relay) -> Iterator[Relay]:
+    """A relay stepped by hand: its loop connection and send threads end with the block."""
+    try:
+        yield relay
+    finally:
+        relay._drop_connection()
+        relay._pool.shutdown(wait=False)
+
+
+@contextlib.contextmanager
+def receiving(signal, relay: Relay) -> Iterator[list[dict[str, Any]]]:
+    """What ``signal`` carried when ``relay`` sent it."""
+    seen: list[dict[str, Any]] = []
+
+    def receiver(_sender, **kw):
+        seen.append(kw)
+
+    signal.connect(receiver, sender=relay, weak=False)
+    try:
+        yield seen
+    finally:
+        signal.disconnect(receiver, sender=relay)
+
+
+def row(engine: sa.Engine, message_id: int):
+    """The message's row without its payload (which a test may have made undecodable)."""
+    columns = [c for c in messages.c if c.name != "payload"]
+    with engine.connect() as conn:
+        return conn.execute(sa.select(*columns).where(messages.c.id == message_id)).one()
+
+
+def later_clock(clock: Clock, seconds: float) -> Clock:
+    moved = Clock()
+    moved.now = clock.now + timedelta(seconds=seconds)
+    return moved
+
+
+def sweep_at(engine: sa.Engine, now: datetime) -> list[int]:
+    """Another relay's sweep at ``now``: the ids it settled."""
+    with engine.begin() as conn:
+        swept = store.sweep_expired_leases(conn, now=now, relay_id="sweeper")
+    return [lease.claim.id for lease, _decision in swept]
+
+
+# -- payloads Python cannot decode ---------------------------------------------------------
+
+DEEP = "[" * 3000 + "]" * 3000
+HUGE_NUMBER = '{"v": 1, "sender": ' + "9" * 5000 + "}"
+
+
+def write_payload(backend, message_id: int, text: str) -> None:
+    """Store ``text`` as the row's payload, as a writer outside the library could."""
+    if backend.name == "postgresql":
+        update = "UPDATE outbox_messages SET payload = CAST(:p AS json) WHERE id = :i"
+    else:
+        update = "UPDATE outbox_messages SET payload = :p WHERE id = :i"
+    with backend.engine.begin() as conn:
+        conn.execute(sa.text(update), {"p": text, "i": message_id})
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [pytest.param(DEEP, id="nested-3000-deep"), pytest.param(HUGE_NUMBER, id="5000-digit-number")],
+)
+def test_a_payload_python_cannot_decode_fails_alone_and_the_loop_goes_on(backend, payload):
+    """JSON nested deeper than Python's decoder recurses, or a number longer than Python turns
+    into an int: the row fails as invalid_payload, unsent, and the others are sent. (Such a
+    row once broke the claim, or the decode after it, and stopped run() on every start.)"""
+    if backend.name == "mysql" and payload == DEEP:
+        pytest.skip("MariaDB refuses it: its JSON column's json_valid() allows 32 levels")
+    ids = enqueue(backend.engine, 4)
+    poison = ids[1]
+    write_payload(backend, poison, payload)
+    sender = FakeSender()
+    run = Run(relay_for(backend, sender, exit_when_idle=True))
+    if not run.returned_within(10):
+        run.relay.request_stop()
+        run.thread.join(10)
+        pytest.fail("run() did not exit when idle")
+    assert run.errors == []
+    assert sorted(sender.sent_ids) == [i for i in ids if i != poison]
+    r = row(backend.engine, poison)
+    assert (r.status, r.last_error_code) == ("failed", "invalid_payload")
+    assert [a.outcome for a in attempt_rows(backend.engine, poison)] == ["invalid_payload"]
+    assert {statuses(backend.engine)[i] for i in ids if i != poison} == {"sent"}
+
+
+# -- a commit that applied unseen, then a drain or an account pause ------------------------
+
+
+def commit_unseen_once(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the relay's next pass commit its claims and send-started marks, then see the
+    connection drop, as when a server's answer to COMMIT is lost.
+
+    That fault cannot be timed against a real server, so the relay's transaction is wrapped:
+    the real COMMIT runs, then an OperationalError is raised, once, for the pass's exchange."""
+    real_transaction, real_exchange = relay._transaction, relay._exchange
+    state = {"exchange": False, "left": 1}
+
+    @contextlib.contextmanager
+    def transaction() -> Iterator[sa.Connection]:
+        with real_transaction() as conn:
+            yield conn
+        if state["exchange"] and state["left"]:
+            state["left"] = 0
+            relay._drop_connection()
+            raise sa.exc.OperationalError(
+                "COMMIT", {}, ConnectionResetError("server closed the connection unexpectedly")
+            )
+
+    def exchange(now: datetime) -> bool:
+        state["exchange"] = True
+        try:
+            return real_exchange(now)
+        finally:
+            state["exchange"] = False
+
+    monkeypatch.setattr(relay, "_transaction", transaction)
+    monkeypatch.setattr(relay, "_exchange", exchange)
+
+
+def assert_given_back_unsent(backend, ids: list[int], clock: Clock, sender: FakeSender) -> None:
+    assert not set(ids) & set(sender.sent_ids)
+    # long after their lease would have run out, the sweep finds nothing of them
+    swept = sweep_at(backend.engine, clock.now + timedelta(hours=1))
+    state = statuses(backend.engine)
+    assert {i: state[i] for i in ids} == dict.fromkeys(ids, "pending")
+    assert swept == []
+    for mid in ids:
+        r = row(backend.engine, mid)
+        assert (r.attempt_count, r.claim_token, r.send_started_at) == (0, None, None)
+        assert attempt_rows(backend.engine, mid) == []
+
+
+def test_claims_committed_unseen_are_given_back_unsent_by_the_drain(backend, monkeypatch):
+    """The pass's COMMIT applied (rows claimed and marked as send-started) but the relay saw an
+    error; the claims stay queued, unsent. A stop then drains: the rows go back to pending by
+    their claim token, no attempt counted, never sent, and no sweep parks them later as
+    unknown_outcome. (The give-back once required send_started_at IS NULL and matched none.)"""
+    ids = enqueue(backend.engine, 2)
+    clock = Clock()
+    sender = FakeSender()
+    relay = relay_for(backend, sender, clock, concurrency=4)
+    commit_unseen_once(relay, monkeypatch)
+    assert relay._with_db(relay.step) is None  # the pass saw a database error
+    for mid in ids:
+        r = row(backend.engine, mid)
+        assert (r.status, r.send_started_at is not None) == ("processing", True)
+    with receiving(signals.released, relay) as released:
+        relay.request_stop()
+        relay.run()  # a stop before the next pass: the loop ends at once and drains
+    assert sorted(s["message_id"] for s in released) == ids
+    assert sender.calls == []
+    assert_given_back_unsent(backend, ids, clock, sender)
+    later = FakeSender()
+    with closing(relay_for(backend, later, later_clock(clock, 1), relay_id="later")) as next_relay:
+        settle(next_relay)
+    assert sorted(later.sent_ids) == ids
+
+
+def test_claims_committed_unseen_are_given_back_unsent_by_an_account_pause(backend, monkeypatch):
+    """As above, but what gives the claims back is an account pause: a send in flight comes
+    back paused while the unseen commit's claims wait. They go back to pending unsent, and
+    the sweep finds nothing of them."""
+    (first,) = enqueue(backend.engine, 1)
+    clock = Clock()
+    answer = threading.Event()
+
+    def paused(message: OutgoingMessage):
+        answer.wait(10)
+        return Disabled(code="AccountSendingPausedException", pause=True)
+
+    sender = FakeSender(paused)
+    relay = relay_for(backend, sender, clock, concurrency=4, pause_seconds=30)
+    with closing(relay):
+        try:
+            relay.step()
+            eventually(lambda: sender.calls, "the first send to start")
+            waiting = enqueue(backend.engine, 2)
+            clock.advance(1)  # they are due
+            commit_unseen_once(relay, monkeypatch)
+            assert relay._with_db(relay.step) is None  # the pass saw a database error
+            for mid in waiting:
+                assert row(backend.engine, mid).status == "processing"
+            answer.set()
+            eventually(
+                lambda: all(f.future.done() for f in relay._in_flight.values()),
+                "the paused answer",
+            )
+            with receiving(signals.released, relay) as released:
+                relay.step()  # the answer pauses the relay, which gives back what it holds
+        finally:
+            answer.set()
+    assert relay.paused
+    assert relay.pause_code == "AccountSendingPausedException"
+    assert sorted(s["message_id"] for s in released) == sorted([first, *waiting])
+    assert [m.id for m in sender.calls] == [first]
+    r = row(backend.engine, first)
+    assert (r.status, r.attempt_count, r.claim_token) == ("pending", 0, None)
+    assert_given_back_unsent(backend, waiting, clock, sender)
+
+
+# -- what the relay cannot save as it is ---------------------------------------------------
+
+LONG_PROVIDER_ID = "ses-" + "".join(f"{n:03d}" for n in range(100))  # 304 characters
+
+
+def test_a_provider_id_longer_than_its_column_is_saved_cut_and_kept_whole(backend):
+    """The provider accepts a message and answers with an id longer than the 255 characters of
+    provider_message_id: the row is sent with the id's first 255 characters, the attempt row
+    keeps the whole id, and it is delivered once. (The save once failed on PostgreSQL and
+    MariaDB; the item was dropped, its lease ran out, and the sweep resent a `resend` message,
+    or parked a `hold` one as unknown_outcome.) SQLite keeps any length; the same holds."""
+    long_id, short_id = enqueue(backend.engine, 2, category="digest")
+    sender = FakeSender(
+        lambda m: Accepted(
+            provider_message_id=LONG_PROVIDER_ID if m.id == long_id else f"ses-{m.id}"
+        )
+    )
+    clock = Clock()
+    with closing(relay_for(backend, sender, clock)) as relay:
+        settle(relay)
+    # long after the lease would have run out, another relay sweeps and claims what is due
+    later = FakeSender()
+    with closing(relay_for(backend, later, later_clock(clock, 3600), relay_id="later")) as other:
+        settle(other)
+    r = row(backend.engine, long_id)
+    assert (r.status, r.provider_message_id) == ("sent", LONG_PROVIDER_ID[:255])
+    assert [m.id for m in sender.calls + later.calls].count(long_id) == 1
+    (attempt,) = attempt_rows(backend.engine, long_id)
+    assert (attempt.outcome, attempt.provider_message_id) == ("accepted", LONG_PROVIDER_ID[:255])
+    assert LONG_PROVIDER_ID in attempt.error_message
+    assert row(backend.engine, short_id).provider_message_id == f"ses-{short_id}"
+    assert set(statuses(backend.engine).values()) == {"sent"}
+
+
+def test_an_error_code_and_message_longer_than_their_columns_are_saved_cut(backend):
+    """A provider refuses a message with a code over the 100 characters of last_error_code and
+    a text over what MariaDB's TEXT holds: the failure is saved, both cut, and no sweep finds
+    the row later. (The save once failed on PostgreSQL and MariaDB, and the sweep parked a
+    known failure as unknown_outcome.)"""
+    (mid,) = enqueue(backend.engine, 1)
+    code = "Rejected" + "X" * 142  # 150 characters
+    text = "refused: " + "y" * 70_000
+    sender = FakeSender([Permanent(code=code, message=text)])
+    clock = Clock()
+    with closing(relay_for(backend, sender, clock)) as relay:
+        settle(relay)
+    assert sweep_at(backend.engine, clock.now + timedelta(hours=1)) == []
+    r = row(backend.engine, mid)
+    assert (r.status, r.last_error_code) == ("failed", code[:100])
+    assert r.last_error_message
+    assert text.startswith(r.last_error_message)
+    assert len(r.last_error_message) < len(text)
+    (attempt,) = attempt_rows(backend.engine, mid)
+    assert (attempt.outcome, attempt.error_code) == ("permanent", code[:100])
+    assert len(sender.calls) == 1
+
+
+@contextlib.contextmanager
+def refusing_sent(backend, message_id: int) -> Iterator[None]:
+    """While the block runs, the database refuses to move this row to sent, with a data error
+    (a trigger): a finished send the relay cannot save, whatever it writes."""
+    if backend.name == "postgresql":
+        create = [
+            "CREATE FUNCTION refuse_sent() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'refused' USING ERRCODE = '22001'; END $$",
+            "CREATE TRIGGER refuse_sent BEFORE UPDATE ON outbox_messages FOR EACH ROW "
+            f"WHEN (NEW.status = 'sent' AND OLD.id = {message_id}) EXECUTE FUNCTION refuse_sent()",
+        ]
+        drop = [
+            "DROP TRIGGER IF EXISTS refuse_sent ON outbox_messages",
+            "DROP FUNCTION IF EXISTS refuse_sent()",
+        ]
+    elif backend.name == "mysql":
+        create = [
+            "CREATE TRIGGER refuse_sent BEFORE UPDATE ON outbox_messages FOR EACH ROW "
+            f"BEGIN IF NEW.status = 'sent' AND OLD.id = {message_id} THEN "
+            "SIGNAL SQLSTATE '22001' SET MESSAGE_TEXT = 'refused', MYSQL_ERRNO = 1406; "
+            "END IF; END"
+        ]
+        drop = ["DROP TRIGGER IF EXISTS refuse_sent"]
+    else:
+        create = [
+            "CREATE TRIGGER refuse_sent BEFORE UPDATE ON outbox_messages FOR EACH ROW "
+            f"WHEN NEW.status = 'sent' AND OLD.id = {message_id} "
+            "BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        ]
+        drop = ["DROP TRIGGER IF EXISTS refuse_sent"]
+    with backend.engine.begin() as conn:
+        for statement in create:
+            conn.exec_driver_sql(statement)
+    try:
+        yield
+    finally:
+        with backend.engine.begin() as conn:
+            for statement in drop:
+                conn.exec_driver_sql(statement)
+
+
+def test_a_send_that_cannot_be_saved_is_kept_and_its_lease_renewed(backend, monkeypatch):
+    """The provider accepted a message but the database refuses the row's move to sent: the
+    finished send is kept, its lease renewed, so no sweep turns the known acceptance into
+    unknown_outcome; once the database takes it, it is saved, sent once. (Such a send was
+    once dropped, and swept.)"""
+    monkeypatch.setattr(worker, "STUCK_RETRY", 0.0, raising=False)  # retry on every pass
+    (mid,) = enqueue(backend.engine, 1)
+    clock = Clock()
+    sender = FakeSender()
+    with closing(relay_for(backend, sender, clock)) as relay:
+        with refusing_sent(backend, mid):
+            settle(relay)
+            assert row(backend.engine, mid).status == "processing"
+            for _ in range(3):
+                clock.advance(4)  # past half of the 5 s lease each time
+                relay.step()
+            # 12 s on: the first lease is long gone, the renewed one is not
+            assert sweep_at(backend.engine, clock.now) == []
+            r = row(backend.engine, mid)
+            assert r.status == "processing"
+            assert r.lease_expires_at > clock.now
+        relay.step()
+    r = row(backend.engine, mid)
+    assert (r.status, r.provider_message_id) == ("sent", f"fake-{mid}-1")
+    assert [a.outcome for a in attempt_rows(backend.engine, mid)] == ["accepted"]
+    assert len(sender.calls) == 1
+
+
+# -- calls hung past --send-timeout --------------------------------------------------------
+
+
+def test_a_call_hung_past_send_timeout_holds_no_slot(backend, caplog):
+    """Concurrency 1, and the provider call of the first message never returns: past
+    --send-timeout it holds no slot (the relay has a spare thread for it), its lease runs
+    out and the sweep parks it as unknown_outcome, and the other messages are sent. (The hung
+    call once kept the only slot for ever: nothing else was sent.) With every slot hung the
+    relay pauses as sender_hung; its probe goes through and sending resumes."""
+    ids = enqueue(backend.engine, 4)
+    hung, others = ids[0], ids[1:]
+    sender = HeldSender()
+    sender.hold(hung)
+    caplog.set_level(logging.INFO, logger="relay")
+    relay = relay_for(
+        backend,
+        sender,
+        concurrency=1,
+        batch_size=1,
+        send_timeout=1.0,
+        lease_seconds=2.5,
+        drain_seconds=1.0,
+        pause_seconds=0.2,
+    )
+    with running(relay, sender):
+        eventually(lambda: sender.calls, "the first call")
+        eventually(
+            lambda: all(statuses(backend.engine)[i] == "sent" for i in others),
+            "the other messages to be sent beside the hung call",
+        )
+        eventually(
+            lambda: statuses(backend.engine)[hung] == "unknown_outcome",
+            "the hung call's row to be swept to unknown_outcome",
+        )
+    assert row(backend.engine, hung).last_error_code == "lease_expired_after_send_started"
+    assert [sender.count(i) for i in ids] == [1, 1, 1, 1]
+    actions = [(r.action, getattr(r, "code", None)) for r in caplog.records if hasattr(r, "action")]
+    assert ("paused", "sender_hung") in actions
+    assert ("resumed", None) in actions
+
+
+def test_as_many_hung_calls_as_slots_pause_the_relay(backend):
+    """Both calls of a relay with concurrency 2 hang past --send-timeout: the relay pauses
+    (code sender_hung) and claims nothing more, while the sweep settles the hung rows."""
+    hung = enqueue(backend.engine, 2)
+    sender = HeldSender()
+    sender.hold(*hung)
+    relay = relay_for(
+        backend,
+        sender,
+        concurrency=2,
+        batch_size=2,
+        send_timeout=1.0,
+        lease_seconds=2.5,
+        drain_seconds=1.0,
+        pause_seconds=30,
+    )
+    with running(relay, sender):
+        eventually(lambda: len(sender.calls) == 2, "both calls")
+        eventually(lambda: relay.paused, "the relay to pause with both calls hung")
+        assert relay.pause_code == "sender_hung"
+        waiting = enqueue(backend.engine, 2)
+        eventually(
+            lambda: {statuses(backend.engine)[i] for i in hung} == {"unknown_outcome"},
+            "the hung rows to be swept",
+        )
+        assert relay.paused
+        assert [statuses(backend.engine)[i] for i in waiting] == ["pending", "pending"]
+        assert [sender.count(i) for i in waiting] == [0, 0]
+
+
+# -- exit_when_idle under a pause ----------------------------------------------------------
+
+
+def test_exit_when_idle_exits_while_only_a_paused_scopes_messages_wait(backend):
+    """A sending identity is paused: its message steps back in line until its probe, which is
+    not due, so with nothing else due run() exits; the other message was sent. (A pause once
+    kept exit_when_idle from ever exiting.)"""
+    scope = Scope(ScopeKind.IDENTITY, "example.com")
+    with Session(backend.engine) as session:
+        held, other = (
+            OB.enqueue(
+                session, Email(sender=f"shop@{domain}", to=["c@example.net"], subject="s", text="t")
+            ).id
+            for domain in ("example.com", "example.org")
+        )
+        session.commit()
+    enqueued_due = row(backend.engine, held).next_attempt_at
+
+    def answer(message: OutgoingMessage):
+        if message.id == held:
+            return Disabled(code="MailFromDomainNotVerified", pause=True, scope=scope)
+        return Accepted(provider_message_id=f"ses-{message.id}")
+
+    sender = FakeSender(answer)
+    relay = relay_for(backend, sender, exit_when_idle=True, pause_seconds=10)
+    with running(relay) as run:
+        assert run.returned_within(5), "run() did not exit with only held messages left"
+    assert run.errors == []
+    assert relay.pauses.paused(scope)
+    assert statuses(backend.engine)[other] == "sent"
+    r = row(backend.engine, held)
+    assert (r.status, r.attempt_count, r.claim_token) == ("pending", 0, None)
+    assert r.next_attempt_at > enqueued_due
+    assert sorted(sender.sent_ids) == sorted([held, other])
+
+
+def test_exit_when_idle_exits_when_an_account_probe_finds_nothing_due(backend):
+    """The account is paused and its only message is then cancelled: the next probe's claim
+    finds nothing due, and run() exits."""
+    (mid,) = enqueue(backend.engine, 1)
+    sender = FakeSender(lambda m: Disabled(code="AccountSendingPausedException", pause=True))
+    relay = relay_for(backend, sender, exit_when_idle=True, pause_seconds=0.5)
+    with running(relay) as run:
+        eventually(
+            lambda: relay.paused and statuses(backend.engine)[mid] == "pending",
+            "the pause, and the message given back",
+        )
+
+        def cancelled() -> bool:
+            with backend.engine.begin() as conn:
+                return store.cancel(conn, message_id=mid, now=datetime.now(UTC))
+
+        eventually(cancelled, "the message to be cancelled")
+        assert run.returned_within(5), "run() did not exit with nothing due"
+    assert run.errors == []
+    assert relay.paused
+    assert statuses(backend.engine)[mid] == "cancelled"
+
+
+# -- a swept row's late answer finishing beside its reclaim --------------------------------
+
+
+def test_a_stale_call_finishing_beside_its_reclaim_is_recorded_stale_and_signalled_once(backend):
+    """A resend message's call runs past --send-timeout; the relay's own sweep settles the row
+    and the relay claims it again, so two calls for one id are in flight; both are accepted
+    and finish in the same pass. The row holds the second call's answer; the first is
+    recorded as stale:accepted, and `sent` fires once. (Both were once taken as applied: two
+    attempts `accepted`, two `sent` signals.) Stepped by hand on a clock moved by hand."""
+    (mid,) = enqueue(backend.engine, 1, category="digest")
+    clock = Clock()
+    sender = HeldSender()
+    answer = sender.hold(mid)  # both calls wait on one event, let go together
+    relay = relay_for(backend, sender, clock, concurrency=2, send_timeout=1.0, lease_seconds=5)
+    with closing(relay):
+        try:
+            relay.step()
+            eventually(lambda: sender.calls == [(mid, 1)], "the first call")
+            time.sleep(1.1)  # past --send-timeout, and past the sweep interval
+            clock.advance(60)  # the lease is long gone
+            relay.step()  # not renewed; the relay's own sweep settles it
+            assert row(backend.engine, mid).status == "retrying"
+            clock.advance(3600)
+            relay.step()  # claimed again
+            eventually(lambda: sender.calls == [(mid, 1), (mid, 2)], "the second call")
+            answer.set()
+            eventually(
+                lambda: all(f.future.done() for f in relay._in_flight.values()),
+                "both calls to return",
+            )
+            with (
+                receiving(signals.sent, relay) as sent,
+                receiving(signals.stale_finalize, relay) as stale,
+            ):
+                relay.step()  # both saved in one pass
+        finally:
+            sender.release_all()
+    r = row(backend.engine, mid)
+    assert (r.status, r.provider_message_id, r.attempt_count) == ("sent", f"ses-{mid}-2", 2)
+    assert [(s["message_id"], s["provider_message_id"]) for s in sent] == [(mid, f"ses-{mid}-2")]
+    assert [(s["message_id"], s["provider_message_id"]) for s in stale] == [(mid, f"ses-{mid}-1")]
+    assert [(a.outcome, a.provider_message_id) for a in attempt_rows(backend.engine, mid)] == [
+        ("lease_expired", None),
+        ("stale:accepted", f"ses-{mid}-1"),
+        ("accepted", f"ses-{mid}-2"),
+    ]
