@@ -157,14 +157,19 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
 @option("--concurrency", type=int, default=8, help="Sends in flight at once (threads).")
 @option("--batch-size", type=int, default=50, help="Most messages claimed per statement.")
 @option("--lease-seconds", type=float, default=120.0, help="How long a claim is held.")
-@option("--send-timeout", type=float, default=20.0, help="Longest a provider call may take.")
+@option(
+    "--send-timeout",
+    type=float,
+    default=20.0,
+    help="Longest a whole provider call may take; past it its lease is no longer renewed.",
+)
 @option("--poll-interval", type=float, default=1.0, help="Seconds between polls when idle.")
 @option(
     "--max-send-rate",
     type=RATE,
     default=None,
-    help="Recipients per second, shared by all live relays, over any one-second window; "
-    "'auto' reads the SES account's MaxSendRate (default: no limit).",
+    help="Recipients per second for all relays together (one budget in the database), "
+    "over any one-second window; 'auto' reads the SES account's MaxSendRate (default: no limit).",
 )
 @option(
     "--drain-seconds",
@@ -176,10 +181,15 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
     "--pause-seconds",
     type=float,
     default=60.0,
-    help="While the provider has sending paused, probe with one message this often.",
+    help="While sending is paused (the account, a configuration set or an identity), "
+    "probe with one of its messages this often.",
 )
 @option("--exit-when-idle", is_flag=True, help="Drain what is due, then exit 0.")
-@option("--relay-id", default=None, help="Name in outbox_relays and logs [default: host-pid-xxxx].")
+@option(
+    "--relay-id",
+    default=None,
+    help="Name in outbox_relays and logs; a live relay's id is refused [default: host-pid-xxxx].",
+)
 @option(
     "--log-level",
     default="INFO",
