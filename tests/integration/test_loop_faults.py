@@ -187,10 +187,14 @@ def test_a_payload_python_cannot_decode_fails_alone_and_the_loop_goes_on(backend
     """JSON nested deeper than Python's decoder recurses, or a number longer than Python turns
     into an int: the row fails as invalid_payload, unsent, and the others are sent. (Such a
     row once broke the claim, or the decode after it, and stopped run() on every start.)"""
-    if backend.name == "mysql" and payload == DEEP:
-        pytest.skip("MariaDB refuses it: its JSON column's json_valid() allows 32 levels")
     ids = enqueue(backend.engine, 4)
     poison = ids[1]
+    if backend.name == "mysql" and payload == DEEP:
+        # MariaDB's JSON check (json_valid, 32 levels at most) refuses such a row outright:
+        # it can never reach the relay there
+        with pytest.raises(sa.exc.DBAPIError, match="CONSTRAINT"):
+            write_payload(backend, poison, payload)
+        payload = HUGE_NUMBER
     write_payload(backend, poison, payload)
     sender = FakeSender()
     run = Run(relay_for(backend, sender, exit_when_idle=True))
