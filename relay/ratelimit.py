@@ -53,10 +53,10 @@ __all__ = [
 
 WINDOW = timedelta(seconds=1)  # the provider counts recipients per second, sliding
 SLACK = timedelta(milliseconds=50)  # bookings are spaced a window and this apart
-LATE_START = timedelta(milliseconds=25)  # of the slack, what a send thread may start late by
+LATE_START = timedelta(milliseconds=35)  # of the slack, what a send thread may start late by
 HORIZON = timedelta(milliseconds=200)  # how far ahead of a send's start it is booked
 HANDOFF = 0.05  # seconds: the first guess of how long a booking takes to reach its thread
-HANDOFF_DECAY = 0.98  # per send: how fast the longest handoff seen is forgotten
+HANDOFF_HALF_LIFE = 10.0  # seconds: how fast the longest handoff seen is forgotten
 PRUNE_INTERVAL = 1.0  # seconds (monotonic) between deletions of bookings that no longer count
 
 
@@ -206,6 +206,7 @@ class SendBudget:
         self._monotonic = monotonic
         self._next: datetime | None = None  # the earliest start found for one more send
         self._handoff = handoff  # seconds: the longest recent booking-to-thread handoff
+        self._handoff_at = monotonic()
         self._last_prune = -math.inf
 
     @property
@@ -277,7 +278,8 @@ class SendBudget:
         may start, or how many seconds late the thread is when that is more than
         ``late_start`` allows: then the send must not start."""
         mono = self._monotonic()
-        self._handoff = max(mono - slot.planned, self._handoff * HANDOFF_DECAY)
+        faded = self._handoff * 0.5 ** ((mono - self._handoff_at) / HANDOFF_HALF_LIFE)
+        self._handoff, self._handoff_at = max(mono - slot.planned, faded), mono
         if slot.start > mono:
             time.sleep(slot.start - mono)
         late = self._monotonic() - slot.start

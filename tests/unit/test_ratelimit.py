@@ -234,15 +234,21 @@ def test_sends_are_booked_as_far_ahead_as_their_handoff_to_a_thread_takes():
     learns how long that takes and books that far ahead, so threads wait instead of being
     late, and forgets a slow handoff again."""
     clock = Clock()
-    plan = SendBudget(RateController(10.0), clock=clock)
+    ticks = [100.0]
+    plan = SendBudget(RateController(10.0), clock=clock, monotonic=lambda: ticks[0])
     assert plan.lead == s(0.05)  # a first guess: the first commit of a process is slow
     assert plan.plan([], [1], clock.now)[0].start == T0 + s(0.05)
-    plan.wait(Slot(planned=time.monotonic() - 0.08, start=time.monotonic()))
-    assert plan.lead == pytest.approx(s(0.08), abs=s(0.005))
-    plan.wait(Slot(planned=time.monotonic() - 1.0, start=time.monotonic()))
+    plan.wait(Slot(planned=ticks[0] - 0.08, start=ticks[0]))
+    assert plan.lead == s(0.08)
+    plan.wait(Slot(planned=ticks[0] - 0.01, start=ticks[0]))
+    assert plan.lead == s(0.08)  # the longest of the last ones counts, not the last
+    plan.wait(Slot(planned=ticks[0] - 1.0, start=ticks[0]))
     assert plan.lead == HORIZON / 2  # never more than half the horizon
-    for _ in range(300):
-        plan.wait(Slot(planned=time.monotonic(), start=time.monotonic()))
+    ticks[0] += 30.0  # three half-lives of quick handoffs
+    plan.wait(Slot(planned=ticks[0] - 0.001, start=ticks[0]))
+    assert plan.lead == HORIZON / 2  # 1 s faded to 1/8 s: still over the cap
+    ticks[0] += 50.0
+    plan.wait(Slot(planned=ticks[0] - 0.001, start=ticks[0]))
     assert plan.lead < s(0.01)
 
 
