@@ -60,11 +60,9 @@ __all__ = [
     "finalize_sent",
     "finalize_sent_many",
     "get_message",
-    "heartbeat",
     "heartbeat_held",
     "hold_unknown",
     "list_messages",
-    "live_relays",
     "lock_send_budget",
     "mark_send_started",
     "message_ids",
@@ -80,7 +78,6 @@ __all__ = [
     "schedule_retry",
     "send_bookings",
     "statuses_of",
-    "stop",
     "stop_held",
     "sweep_candidates",
     "sweep_expired_leases",
@@ -1038,6 +1035,9 @@ def read_view(conn: sa.Connection, name: str) -> list[dict[str, Any]]:
 # -- relays ------------------------------------------------------------------------------
 
 
+LIVE_STATES = ("running", "paused", "draining")
+
+
 def register(
     conn: sa.Connection, *, relay_id: str, host: str, pid: int, now: datetime, dead_after: float
 ) -> RelayHolder | None:
@@ -1070,40 +1070,6 @@ def register(
         )
     conn.execute(sa.insert(relays).values(relay_id=relay_id, **values))
     return None
-
-
-def heartbeat(conn: sa.Connection, *, relay_id: str, now: datetime, state: str) -> bool:
-    """heartbeat -- The relay is alive, in ``state`` (running, draining, paused)."""
-    stmt = (
-        sa.update(relays).where(relays.c.relay_id == relay_id).values(heartbeat_at=now, state=state)
-    )
-    return conn.execute(stmt).rowcount == 1
-
-
-LIVE_STATES = ("running", "paused", "draining")
-
-
-def live_relays(conn: sa.Connection, *, now: datetime, within: float) -> int:
-    """live_relays -- How many relays heartbeated in the last ``within`` seconds (at least 1:
-    the caller is one)."""
-    stmt = (
-        sa.select(sa.func.count())
-        .select_from(relays)
-        .where(
-            relays.c.state.in_(LIVE_STATES),
-            relays.c.heartbeat_at >= now - timedelta(seconds=within),
-        )
-    )
-    return max(1, int(conn.execute(stmt).scalar_one()))
-
-
-def stop(conn: sa.Connection, *, relay_id: str, now: datetime) -> None:
-    """stop -- The relay exited cleanly."""
-    conn.execute(
-        sa.update(relays)
-        .where(relays.c.relay_id == relay_id)
-        .values(heartbeat_at=now, state="stopped")
-    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

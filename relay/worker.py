@@ -177,7 +177,6 @@ class Relay:
         self._last_stuck_retry = 0.0
         self._probe_found_nothing = False  # an account probe's claim found no due message
         self._last_heartbeat = 0.0
-        self._sends_from = 0.0
         self.pauses = Pauses(config.pause_seconds)
         self._sender_errors = 0  # consecutive sends the sender raised on
         self._last_expire = 0.0
@@ -444,7 +443,7 @@ class Relay:
 
     def _claim_limit(self) -> tuple[int, bool]:
         """How many rows to claim now, and whether the claim is a paused relay's probe."""
-        if self._stopping.is_set() or time.monotonic() < self._sends_from:
+        if self._stopping.is_set():
             return 0, False
         sending = self._sending()
         free = self.config.concurrency - sending - len(self._ready)
@@ -988,7 +987,6 @@ class Relay:
         # paused: idle once a probe found nothing due (a paused scope's held messages are
         # not due; they wait for a later run)
         busy = busy or (self.pauses.account_paused and not self._probe_found_nothing)
-        busy = busy or time.monotonic() < self._sends_from
         return not busy and self.limiter.available() >= 1
 
     def _wait(self) -> None:

@@ -321,7 +321,7 @@ def test_a_relay_process_under_the_relay_role_delivers_sweeps_and_expires(
             .where(messages.c.id == stale)
             .values(next_attempt_at=now + timedelta(hours=1), expires_at=now - timedelta(minutes=1))
         )
-        # the relay's own row from a previous life: register replaces it (DELETE + INSERT)
+        # the relay's own row from a previous life, long dead: register takes it over (UPDATE)
         conn.execute(
             sa.insert(relays).values(
                 relay_id="grants-relay",
@@ -337,8 +337,8 @@ def test_a_relay_process_under_the_relay_role_delivers_sweeps_and_expires(
         roles.relay_url,
         tmp_path,
         "--exit-when-idle",
-        # short lease: heartbeats (and the live-relay count sharing the send rate) run every
-        # second; a rate of 10/s makes the run last long enough to see them
+        # short lease: heartbeats run every second; a rate of 10/s books every send in the
+        # shared budget and makes the run last long enough to see them
         "--send-timeout",
         "1",
         "--lease-seconds",
