@@ -19,7 +19,10 @@ from a :class:`FaultPlan` (seeded, changeable at runtime from the test):
 * ``hang``: forward to moto (so SES accepted it: it is delivered), then hold the response
   ``plan.hang_seconds`` (longer than the client's read timeout) and close without answering;
 * ``reset``: forward to moto, then reset the connection (RST, ``SO_LINGER`` 0);
-* ``reset_before``: reset the connection without forwarding.
+* ``reset_before``: reset the connection without forwarding;
+* ``tls_corrupt`` (TLS mode only): forward to moto, then write one TLS record of random bytes
+  under the TLS layer instead of the answer: the client's record check fails while it reads
+  the answer (an ``SSLError`` after the whole request arrived, so SES took it).
 
 Scoped refusals, answered to every matching send while set on the plan: a configuration set in
 ``plan.paused_sets`` gets 400 ``ConfigurationSetSendingPausedException``; a From address or
@@ -29,7 +32,12 @@ resource, as SES words it.
 Error answers are restJson1: an ``x-amzn-ErrorType`` header, a ``{"message": ...}`` body, the
 status and a Content-Length, which is what botocore parses an error code from. Every
 ``SendEmail`` request is recorded as a :class:`SendRequest` (arrival time, behaviour, outbox
-id from the ``outbox_message_id`` tag, recipient count, moto's MessageId if moto accepted it).
+id from the ``outbox_message_id`` tag, recipient count, moto's MessageId if moto accepted it,
+and when the client signed it by its own clock: ``X-Amz-Date``).
+
+TLS mode: ``FaultServer(upstream, plan, tls=context)`` serves HTTPS with a server-side
+``ssl.SSLContext`` (a client trusts its certificate through ``AWS_CA_BUNDLE``); its URL is then
+``https://``. The handshake runs on the connection's own thread.
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ import contextlib
 import http.client
 import json
 import logging
+import os
 import random
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -47,6 +57,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -80,8 +91,9 @@ FAULTS = (
     "reset_before",
     "config_set_paused",
     "identity_denied",
+    "tls_corrupt",
 )
-FORWARDED = frozenset({"pass", "hang", "reset"})  # kinds whose request reaches moto
+FORWARDED = frozenset({"pass", "hang", "reset", "tls_corrupt"})  # kinds whose request reaches moto
 
 # kind -> (status, x-amzn-ErrorType, message)
 ERRORS = {
@@ -258,6 +270,7 @@ class SendRequest:
     request: dict[str, Any]
     status: int | None = None  # the HTTP status moto answered (forwarded kinds), else None
     message_id: str | None = None  # moto's MessageId when moto accepted it
+    signed_at: float | None = None  # the request's X-Amz-Date (epoch s): the client's clock
 
     @property
     def accepted(self) -> bool:
@@ -287,6 +300,16 @@ def _parse_send(body: bytes) -> tuple[dict[str, Any], int | None, str | None, in
     )
 
 
+def _signed_at(header: str | None) -> float | None:
+    """SigV4's ``X-Amz-Date`` (``20240131T120000Z``) as epoch seconds."""
+    if not header:
+        return None
+    try:
+        return datetime.strptime(header, "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as botocore's connection pool expects
     server: _ProxyServer
@@ -295,6 +318,8 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.do_handshake()  # here, not in the accepting thread
         super().setup()
         self.server.track(self.connection, True)
 
@@ -351,6 +376,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.stopping.wait(seconds)
         self.close_connection = True  # close without ever answering
 
+    def _corrupt_tls(self) -> None:
+        """Write one TLS application-data record of random bytes on the raw socket, under the
+        TLS layer, then keep the connection until the client hangs up (a few seconds at most):
+        the client's record check fails while it reads the answer."""
+        self.close_connection = True
+        with socket.socket(fileno=os.dup(self.connection.fileno())) as raw:
+            raw.sendall(bytes([0x17, 0x03, 0x03, 0x00, 0x40]) + os.urandom(0x40))
+            raw.settimeout(5.0)
+            with contextlib.suppress(OSError):
+                while raw.recv(65536):
+                    pass
+
 
 class _ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
@@ -358,12 +395,19 @@ class _ProxyServer(ThreadingHTTPServer):
     request_queue_size = 128  # socketserver's 5 overflows when relays open their pools at once
     owner: FaultServer
 
-    def __init__(self, owner: FaultServer) -> None:
+    def __init__(self, owner: FaultServer, tls: ssl.SSLContext | None = None) -> None:
         self.owner = owner
+        self.tls = tls
         self.stopping = threading.Event()
         self._open: set[socket.socket] = set()
         self._open_lock = threading.Lock()
         super().__init__(("127.0.0.1", 0), _Handler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, address = super().get_request()
+        if self.tls is not None:  # the handshake waits for the connection's thread
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        return conn, address
 
     def track(self, conn: socket.socket, opened: bool) -> None:
         with self._open_lock:
@@ -385,9 +429,12 @@ class _ProxyServer(ThreadingHTTPServer):
 
 class FaultServer:
     """A SES v2 endpoint that forwards to ``upstream`` (moto) and injects faults into
-    ``SendEmail`` according to ``plan``. Use as a context manager, or start()/stop()."""
+    ``SendEmail`` according to ``plan``. Use as a context manager, or start()/stop().
+    With ``tls`` (a server-side context) it serves HTTPS."""
 
-    def __init__(self, upstream: str, plan: FaultPlan | None = None) -> None:
+    def __init__(
+        self, upstream: str, plan: FaultPlan | None = None, *, tls: ssl.SSLContext | None = None
+    ) -> None:
         parts = urlsplit(upstream)
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.plan = plan if plan is not None else FaultPlan()
@@ -395,9 +442,9 @@ class FaultServer:
         self._sends: list[SendRequest] = []
         self._errors: list[str] = []
         self.other_requests = 0
-        self._server = _ProxyServer(self)
+        self._server = _ProxyServer(self, tls)
         host, port = self._server.server_address[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"{'https' if tls is not None else 'http'}://{host}:{port}"
         self._thread: threading.Thread | None = None
 
     # lifecycle
@@ -486,6 +533,8 @@ class FaultServer:
     def handle_send(self, handler: _Handler, body: bytes) -> None:
         arrived, wall = time.monotonic(), time.time()
         kind = self.plan.draw()
+        if kind == "tls_corrupt" and not isinstance(handler.connection, ssl.SSLSocket):
+            raise ValueError("tls_corrupt needs a FaultServer in TLS mode")
         request, outbox_id, category, recipients, subject = _parse_send(body)
         scoped = self.plan.scoped(request)
         identity = ""
@@ -513,6 +562,7 @@ class FaultServer:
                     request=request,
                     status=status,
                     message_id=message_id,
+                    signed_at=_signed_at(handler.headers.get("X-Amz-Date")),
                 )
             )
         if kind == "pass":
@@ -522,6 +572,8 @@ class FaultServer:
             handler._hang(self.plan.hang_seconds)
         elif kind in ("reset", "reset_before"):
             handler._reset()
+        elif kind == "tls_corrupt":
+            handler._corrupt_tls()
         else:
             handler._error(kind, identity)
 
