@@ -20,7 +20,15 @@ Every message must be exactly one of:
 
 And ``unknown_outcome`` is bounded by what could be ambiguous: the sends in flight at each
 fault (processing rows with ``send_started_at`` set, claimed by the killed/stopped relay, read
-while it cannot move) plus the fault server's own ambiguous answers (hangs, resets).
+while it cannot move) plus the fault server's own ambiguous answers (hangs, resets, corrupt
+TLS records).
+
+Scenarios (``--scenario``): ``clean`` (no fault), ``sigkill`` / ``sigterm`` (relays killed or
+stopped mid-run, each replaced), ``ses_faults`` (the SES fault mix and a pause window),
+``db_kill`` (every relay connection killed on the server), ``slow_sender`` (a relay stopped past
+its lease), ``poison`` (payloads no sender can use), ``xmin`` (PostgreSQL: a transaction holding
+the xmin horizon back), ``db_restart``, ``cancel``, ``combined`` (most of it in one run), and
+``db_outage``, ``clock_skew``, ``tls_fault``, ``paused_set`` (below).
 
 A database restart (``db_restart``, and once in ``combined``) is a real stop and start of the
 server by a shell command (``--restart-command``; the tests read ``OUTBOX_TEST_POSTGRES_RESTART``
@@ -35,6 +43,23 @@ race to a claim) and at rows already claimed or sent; what the CLI reported deci
 reconciliation expects: reported cancelled -> ``cancelled``, received zero times; reported as
 refused or moved -> not cancelled.
 
+Four scenarios aim at one fault each:
+
+* ``db_outage``: the relays reach the database through a TCP proxy of the harness's own
+  (:class:`DatabaseProxy`, 127.0.0.1, a free port; the harness itself talks to the database
+  directly). While sends are in flight it drops every proxied connection and refuses new ones
+  for longer than the lease, then lets them through again, the server itself running on. No
+  send SES accepted may end ``unknown_outcome`` (or be swept as ``lease_expired``): each
+  relay saves what it finished before anyone sweeps it.
+* ``clock_skew``: one relay's wall clock runs two minutes ahead, another's two minutes behind
+  (libfaketime); nothing else goes wrong, so no lease may expire and nothing is ambiguous.
+* ``tls_fault``: the fault server speaks TLS (the relays trust its certificate through
+  ``AWS_CA_BUNDLE``) and answers a share of the sends, once moto took them, with a corrupt
+  TLS record: each is ambiguous (hold mail parked as ``unknown_outcome``, never retried).
+* ``paused_set``: a share of the mail is sent with the configuration set ``marketing``, which
+  SES pauses for a window while the rest keeps flowing; the marketing mail is held, with no
+  attempt used, and delivered once after the window; no relay pauses as a whole.
+
 ``--sender fake`` runs the relays with :class:`relay.testing.FakeSender` (no latency, a shared
 record of every send) instead of SES through moto: the throughput of the relay and the database
 alone, still reconciled per row (the xmin factor is measured this way).
@@ -48,11 +73,15 @@ Run alone::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -70,6 +99,8 @@ from outbox.schema import attempts, messages, relays
 from relay.db import make_engine
 from relay.testing import read_deliveries
 from tests.acceptance.relayproc import FAKE_SENDER, RELAY, RelayProc, clean_env, spawn
+from tests.acceptance.test_relay_faults import shifted
+from tests.integration.test_ses_tls_faults import make_certificate
 from tests.ses_emulator import FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
@@ -77,7 +108,7 @@ DIGEST = Category(name="digest", backoff_base=0.2, backoff_cap=1.0, ambiguity="r
 EXPIRING = Category(name="expiring", backoff_base=0.2, backoff_cap=1.0)  # hold, expires_at
 OUTBOX = Outbox(categories=[FAST, DIGEST, EXPIRING])
 SETTLED = frozenset({"sent", "failed", "unknown_outcome", "cancelled", "expired"})
-AMBIGUOUS_KINDS = frozenset({"hang", "reset"})  # SES took it, the client never heard
+AMBIGUOUS_KINDS = frozenset({"hang", "reset", "tls_corrupt"})  # SES took it, unheard
 # attempts whose send may have reached SES without an answer
 UNANSWERED = frozenset({"ambiguous", "lease_expired", "stale:ambiguous"})
 SCENARIOS = (
@@ -92,6 +123,10 @@ SCENARIOS = (
     "db_restart",
     "cancel",
     "combined",
+    "db_outage",
+    "clock_skew",
+    "tls_fault",
+    "paused_set",
 )
 SENDERS = ("ses", "fake")
 SEND_TIMEOUT = 2.0
@@ -104,6 +139,11 @@ RESTART_MARGIN_BEFORE = 0.2
 # a server closes its connections one by one: one may commit this long after ours was dropped
 RESTART_MARGIN_AFTER = 0.1
 RESTART_TIMEOUT = 120.0  # seconds a restart command, and the server coming back, may take
+OUTAGE_SECONDS = LEASE + 3.0  # db_outage: longer than the lease
+CLOCK_OFFSETS = ("+120s", "-120s")  # clock_skew: the wall clocks of the first two relays
+TLS_FAULT_MIX = {"tls_corrupt": 0.03}
+PAUSED_SET = "marketing"  # paused_set: the configuration set SES pauses
+PAUSED_SET_WINDOW = 4.0  # seconds it stays paused
 
 
 @dataclass
@@ -141,6 +181,31 @@ class Summary:
     frozen_claims: dict[int, str] = field(default_factory=dict)  # slow_sender: id -> token
     stale_finalized: int = 0  # frozen claims whose late finalize was recorded as an attempt
     sent_after_sweep: int = 0  # frozen claims whose request reached SES after the sweep
+    lease_expired: int = 0  # lease_expired attempts: sweeps of a send that had started
+    # db_outage: the cut (monotonic start and end), what it dropped and refused, the sends in
+    # flight it froze, and rows SES accepted whose outcome was lost all the same (parked
+    # unknown_outcome or swept as lease_expired): must be 0
+    outage: tuple[float, float] | None = None
+    dropped_connections: int = 0
+    refused_connections: int = 0
+    outage_in_flight: frozenset[int] = frozenset()
+    outage_in_flight_accepted: int = 0  # of those, SES took (the relays had to keep them)
+    accepted_during_outage: int = 0  # SES acceptances that arrived while the database was cut
+    accepted_unknown: int = 0
+    # clock_skew: SES requests per offset, in whole minutes, of the signer's clock
+    signing_offsets: Counter[int] = field(default_factory=Counter)
+    tls_faults: int = 0  # tls_fault: sends answered with a corrupt TLS record
+    tls_held: int = 0  # of those, hold mail (each must end unknown_outcome)
+    # paused_set: the pause window (monotonic start and end), the mail of the paused set,
+    # what SES took during the window, and the relay states seen in outbox_relays meanwhile
+    window: tuple[float, float] | None = None
+    marketing: frozenset[int] = frozenset()  # rows sent with the paused configuration set
+    marketing_before: int = 0  # of those, SES took before the window
+    marketing_after: int = 0  # of those, SES took after the window
+    marketing_refused: int = 0  # sends the paused set refused (the relays' probes)
+    window_marketing_accepted: int = 0  # must be 0
+    window_other_sends: int = 0  # other mail SES accepted during the window
+    relay_states: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -174,6 +239,8 @@ class Summary:
             f"database restarts {self.db_restarts} "
             f"({', '.join(f'{s:.1f}s' for s in self.restart_seconds) or 'none'}); "
             f"cancels {self.cancel_confirmed} done, {self.cancel_lost} lost the race; "
+            f"lease_expired attempts {self.lease_expired}; "
+            + self.scenario_line()
             + (
                 f"SES requests {dict(self.requests)} at {self.throughput:.0f}/s; "
                 if self.sender == "ses"
@@ -182,6 +249,32 @@ class Summary:
             + f"problems {len(self.problems)}"
             + "".join(f"; NOTE {note}" for note in self.notes)
         )
+
+    def scenario_line(self) -> str:
+        """What the scenario's own checks counted."""
+        if self.scenario == "db_outage" and self.outage is not None:
+            return (
+                f"database cut {self.outage[1] - self.outage[0]:.1f}s "
+                f"({self.dropped_connections} connections dropped, "
+                f"{self.refused_connections} refused), {len(self.outage_in_flight)} sends in "
+                f"flight at the cut ({self.outage_in_flight_accepted} of them accepted by "
+                f"SES), {self.accepted_during_outage} accepted while cut; accepted then "
+                f"unknown or swept {self.accepted_unknown}; "
+            )
+        if self.scenario == "clock_skew":
+            offsets = ", ".join(f"{m:+d} min: {n}" for m, n in sorted(self.signing_offsets.items()))
+            return f"SES requests by signer's clock offset {{{offsets}}}; "
+        if self.scenario == "tls_fault":
+            return f"corrupt TLS answers {self.tls_faults} (to hold mail {self.tls_held}); "
+        if self.scenario == "paused_set" and self.window is not None:
+            return (
+                f"{PAUSED_SET} paused {self.window[1] - self.window[0]:.1f}s: other mail "
+                f"accepted meanwhile {self.window_other_sends}, {PAUSED_SET} mail "
+                f"{len(self.marketing)} (accepted before the window {self.marketing_before}, "
+                f"during {self.window_marketing_accepted}, after {self.marketing_after}; refused "
+                f"{self.marketing_refused}); relay states seen {dict(self.relay_states)}; "
+            )
+        return ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,12 +290,13 @@ class RestartWindow:
 # -- setup -----------------------------------------------------------------------------------
 
 
-def email(n: int) -> Email:
+def email(n: int, configuration_set: str | None = None) -> Email:
     return Email(
         sender="Shop <shop@example.com>",
         to=[f"customer{n}@example.com"],
         subject=f"ledger {n}",
         text=f"Thanks for order {n}.",
+        configuration_set=configuration_set,
     )
 
 
@@ -210,22 +304,34 @@ def category_of(n: int) -> str:
     return ("fast", "digest", "expiring")[n % 3]
 
 
-def enqueue(engine: sa.Engine, count: int, *, expires_in: float) -> dict[int, str]:
-    """Enqueue ``count`` messages, a third per category; returns {id: category}."""
+def is_marketing(n: int) -> bool:
+    """paused_set: every fifth message that does not expire (so all of it is delivered)."""
+    return n % 5 == 0 and category_of(n) != "expiring"
+
+
+def enqueue(
+    engine: sa.Engine, count: int, *, expires_in: float, marketing: set[int] | None = None
+) -> dict[int, str]:
+    """Enqueue ``count`` messages, a third per category; returns {id: category}. With
+    ``marketing`` (a set to fill with their ids) some are sent with the configuration set
+    ``PAUSED_SET``."""
     Sessions, ids = sessionmaker(engine), {}
     expires_at = datetime.now(UTC) + timedelta(seconds=expires_in)
     for start in range(0, count, 500):
         with Sessions.begin() as session:
             for n in range(start, min(count, start + 500)):
                 cat = category_of(n)
+                chosen = marketing is not None and is_marketing(n)
                 result = OUTBOX.enqueue(
                     session,
-                    email(n),
+                    email(n, PAUSED_SET if chosen else None),
                     key=f"ledger:{n}",
                     category=cat,
                     expires_at=expires_at if cat == "expiring" else None,
                 )
                 ids[result.id] = cat
+                if chosen and marketing is not None:
+                    marketing.add(result.id)
     return ids
 
 
@@ -253,6 +359,7 @@ class Fleet:
     workdir: Path
     args: tuple[str, ...]
     record: Path | None = None  # with the fake sender: its shared record of sends
+    ca_bundle: Path | None = None  # the fault server's certificate, when it speaks TLS
     started: list[RelayProc] = field(default_factory=list)
     signalled: set[str] = field(default_factory=set)  # relay ids the harness killed or stopped
 
@@ -261,15 +368,21 @@ class Fleet:
             self.signalled.add(proc.relay_id)
         proc.popen.send_signal(signum)
 
-    def start(self) -> RelayProc:
+    def start(self, clock_offset: str | None = None) -> RelayProc:
+        """Start one more relay; with ``clock_offset`` (libfaketime's ``+120s``) its wall
+        clock runs that far off."""
         relay_id = f"ledger-{len(self.started) + 1}"
         log = self.workdir / f"{relay_id}.log"
         env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
         env.update(aws_env(self.endpoint))
+        if self.ca_bundle is not None:
+            env["AWS_CA_BUNDLE"] = str(self.ca_bundle)
         sender = "ses"
         if self.record is not None:
             env.update(OUTBOX_FAKE_RECORD_FILE=str(self.record), OUTBOX_FAKE_LATENCY="0")
             sender = FAKE_SENDER
+        if clock_offset is not None:
+            env = shifted(env, clock_offset)
         proc = spawn(self.url, sender, relay_id, log, env, *self.args)
         self.started.append(proc)
         return proc
@@ -403,6 +516,124 @@ def kill_db_connections(engine: sa.Engine) -> int:
                     pass
         conn.commit()
     return int(killed)
+
+
+class DatabaseProxy:
+    """A TCP proxy on 127.0.0.1 (a free port) in front of the database server, for the relays
+    only (:meth:`url` is their ``--database-url``). :meth:`cut` drops every proxied connection
+    (reset on both sides) and refuses new ones (accepted, then reset) until :meth:`restore`:
+    an outage of the database as the relays see it, while the server itself runs on."""
+
+    def __init__(self, url: str) -> None:
+        target = sa.make_url(url)
+        default = 5432 if target.get_backend_name() == "postgresql" else 3306
+        self._upstream = (target.host or "127.0.0.1", target.port or default)
+        self._target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._pairs: set[tuple[socket.socket, socket.socket]] = set()
+        self._refusing = False
+        self._stopping = threading.Event()
+        self.dropped = 0
+        self.refused = 0
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._accept, name="db-proxy", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return self._target.set(host="127.0.0.1", port=self.port).render_as_string(
+            hide_password=False
+        )
+
+    def __enter__(self) -> DatabaseProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        self._thread.join(10)
+        self._listener.close()
+        with self._lock:
+            pairs = list(self._pairs)
+        for pair in pairs:
+            self._close(pair, reset=True)
+
+    def cut(self) -> int:
+        """Drop every proxied connection and refuse new ones; returns how many it dropped."""
+        with self._lock:
+            self._refusing = True
+            pairs = list(self._pairs)
+        for pair in pairs:
+            self._close(pair, reset=True)
+        self.dropped += len(pairs)
+        return len(pairs)
+
+    def restore(self) -> None:
+        with self._lock:
+            self._refusing = False
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                refusing = self._refusing
+            if refusing:
+                self.refused += 1
+                _reset(client)
+                continue
+            try:
+                server = socket.create_connection(self._upstream, timeout=10)
+            except OSError as exc:
+                self.errors.append(f"connect to {self._upstream}: {exc}")
+                _reset(client)
+                continue
+            server.settimeout(None)
+            pair = (client, server)
+            with self._lock:
+                self._pairs.add(pair)
+            for src, dst in (pair, pair[::-1]):
+                threading.Thread(
+                    target=self._pump, args=(src, dst, pair), name="db-proxy-pump", daemon=True
+                ).start()
+
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, pair: tuple[socket.socket, socket.socket]
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        self._close(pair, reset=False)
+
+    def _close(self, pair: tuple[socket.socket, socket.socket], *, reset: bool) -> None:
+        """Close both sides once (the first caller wins): with an RST when ``reset``, else as
+        the side that ended did (its peer sees the end of the stream)."""
+        with self._lock:
+            if pair not in self._pairs:
+                return
+            self._pairs.discard(pair)
+        for sock in pair:
+            if reset:
+                _reset(sock)
+            else:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with an RST (SO_LINGER on, zero timeout), waking a thread blocked reading it."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def server_started_at(engine: sa.Engine) -> float:
@@ -599,6 +830,7 @@ class Faults:
     total: int
     workdir: Path
     restart_command: str | None
+    proxy: DatabaseProxy | None = None  # db_outage: between the relays and the database
 
     def at(self, mark: float) -> None:
         """Wait until ``mark`` (a share) of the rows have settled."""
@@ -607,6 +839,58 @@ class Faults:
             timeout=120,
             what=f"{mark:.0%} of rows settled",
         )
+
+
+def database_outage(f: Faults) -> None:
+    """While sends are in flight, cut the relays off the database (every proxied connection
+    dropped, new ones refused) for ``OUTAGE_SECONDS``, longer than the lease, then let them
+    back. What the cut froze is read on the harness's own connection, which the cut leaves
+    alone: the sends in flight (started, not finalized) once the server has finished what it
+    had (a commit sent just before the cut), and that nothing moves until the end."""
+    if f.proxy is None:
+        raise ValueError("the db_outage scenario needs the relays behind a DatabaseProxy")
+    wait_for(lambda: in_flight(f.engine) > 0, timeout=30, what="a send in flight")
+    began = time.monotonic()
+    f.summary.dropped_connections += f.proxy.cut()
+    time.sleep(0.5)
+    frozen, counts = in_flight_ids_of(f.engine), statuses(f.engine)
+    f.summary.in_flight_at_faults.append(len(frozen))
+    f.summary.outage_in_flight = frozen
+    time.sleep(max(0.0, began + OUTAGE_SECONDS - time.monotonic()))
+    if (in_flight_ids_of(f.engine), statuses(f.engine)) != (frozen, counts):
+        f.summary.problems.append("rows moved while the relays were cut off the database")
+    f.proxy.restore()
+    f.summary.outage = (began, time.monotonic())
+    f.summary.refused_connections = f.proxy.refused
+
+
+def in_flight_ids_of(engine: sa.Engine) -> frozenset[int]:
+    with engine.connect() as conn:
+        return in_flight_ids(conn)
+
+
+def relay_states(engine: sa.Engine) -> Counter[str]:
+    with engine.connect() as conn:
+        return Counter(conn.execute(sa.select(relays.c.state)).scalars())
+
+
+def pause_configuration_set(f: Faults) -> None:
+    """Early in the run, while most marketing mail is still queued, SES pauses the
+    configuration set ``PAUSED_SET`` for ``PAUSED_SET_WINDOW`` seconds. Meanwhile, and for a
+    second after, the relays' states are sampled from ``outbox_relays``."""
+    f.at(0.1)
+    began = time.monotonic()
+    f.ses.plan.paused_sets.add(PAUSED_SET)
+    try:
+        while time.monotonic() < began + PAUSED_SET_WINDOW:
+            f.summary.relay_states.update(relay_states(f.engine))
+            time.sleep(0.1)
+    finally:
+        f.ses.plan.paused_sets.discard(PAUSED_SET)
+    f.summary.window = (began, time.monotonic())
+    for _ in range(10):  # a relay's state shows at its next heartbeat at the latest
+        f.summary.relay_states.update(relay_states(f.engine))
+        time.sleep(0.1)
 
 
 def combined(f: Faults) -> None:
@@ -645,6 +929,18 @@ def inject(f: Faults, scenario: str) -> None:
     if scenario == "combined":
         combined(f)
         return
+    if scenario == "db_outage":
+        f.at(0.3)
+        database_outage(f)
+        return
+    if scenario == "tls_fault":
+        ses.plan.set(**TLS_FAULT_MIX)
+        return
+    if scenario == "paused_set":
+        pause_configuration_set(f)
+        return
+    if scenario == "clock_skew":
+        return  # the skewed clocks are the fault: the relays started with them
     if scenario == "ses_faults":
         ses.plan.set(**SES_FAULT_MIX)
         f.at(0.3)
@@ -882,6 +1178,15 @@ def reconcile(
             summary.stale_finalized += 1
     reconcile_cancels(rows, tries, summary, problem)
     reconcile_restarts(tries, summary)
+    summary.lease_expired = sum(
+        1 for mine in tries.values() for a in mine if a.outcome == "lease_expired"
+    )
+    summary.signing_offsets = Counter(
+        round((s.signed_at - s.wall) / 60) for s in sends if s.signed_at is not None
+    )
+    reconcile_tls(rows, tries, sends, summary, problem)
+    reconcile_outage(rows, tries, sends, accepted, summary, problem)
+    reconcile_pause_window(rows, sends, accepted, summary, problem)
     faulted = {s.outbox_id for s in sends if s.kind in AMBIGUOUS_KINDS}
     summary.slow_answers = sum(
         1
@@ -918,6 +1223,97 @@ def reconcile_cancels(
     for id_, row in rows.items():
         if row.status == "cancelled" and summary.cancels.get(id_) != "cancelled":
             problem(id_, f"cancelled, but the CLI did not report it so: {summary.cancels.get(id_)}")
+
+
+def reconcile_tls(
+    rows: dict[int, Any],
+    tries: dict[int, list[Any]],
+    sends: list[SendRequest],
+    summary: Summary,
+    problem: Callable[[int, str], None],
+) -> None:
+    """Every send answered with a corrupt TLS record (after moto took it) is ambiguous: an
+    ``ambiguous``/``SSLError`` attempt; hold mail is parked as ``unknown_outcome`` and never
+    sent again (one request, received once)."""
+    faulted = [s for s in sends if s.kind == "tls_corrupt" and s.outbox_id is not None]
+    summary.tls_faults = len(faulted)
+    for send in faulted:
+        id_ = send.outbox_id
+        assert id_ is not None
+        ambiguous = [
+            a
+            for a in tries[id_]
+            if a.outcome in ("ambiguous", "stale:ambiguous") and a.error_code == "SSLError"
+        ]
+        if not ambiguous:
+            problem(id_, f"a corrupt TLS answer, but no ambiguous SSLError attempt: {tries[id_]}")
+        if rows[id_].category == "digest":
+            continue
+        summary.tls_held += 1
+        requests = [s for s in sends if s.outbox_id == id_]
+        if rows[id_].status != "unknown_outcome" or len(requests) != 1:
+            problem(id_, "a corrupt TLS answer to hold mail: not parked, or sent again")
+
+
+def reconcile_outage(
+    rows: dict[int, Any],
+    tries: dict[int, list[Any]],
+    sends: list[SendRequest],
+    accepted: Counter[int],
+    summary: Summary,
+    problem: Callable[[int, str], None],
+) -> None:
+    """After a database outage: no send SES accepted may have lost its outcome, neither
+    parked as ``unknown_outcome`` nor swept as ``lease_expired`` (a resend row swept so is
+    sent again)."""
+    if summary.outage is None:
+        return
+    began, ended = summary.outage
+    summary.outage_in_flight_accepted = sum(1 for i in summary.outage_in_flight if accepted[i])
+    summary.accepted_during_outage = sum(1 for s in sends if s.accepted and began <= s.at < ended)
+    for id_, row in rows.items():
+        swept = any(a.outcome == "lease_expired" for a in tries[id_])
+        if accepted[id_] and (row.status == "unknown_outcome" or swept):
+            summary.accepted_unknown += 1
+            problem(id_, "SES accepted it, but its outcome was lost to the database outage")
+
+
+def reconcile_pause_window(
+    rows: dict[int, Any],
+    sends: list[SendRequest],
+    accepted: Counter[int],
+    summary: Summary,
+    problem: Callable[[int, str], None],
+) -> None:
+    """A paused configuration set holds only its own mail: SES took none of it during the
+    window and each of it exactly once, the pause used no attempt (each row sent on its first,
+    the probes' refusals not counted), and other mail kept flowing meanwhile. No relay ever
+    shows ``paused`` (that is an account pause)."""
+    if summary.window is None:
+        return
+    began, ended = summary.window
+    summary.marketing_refused = sum(1 for s in sends if s.kind == "config_set_paused")
+    summary.window_other_sends = sum(
+        1
+        for s in sends
+        if s.accepted and began <= s.at <= ended and s.outbox_id not in summary.marketing
+    )
+    for id_ in sorted(summary.marketing):
+        row = rows[id_]
+        times = [s.at for s in sends if s.outbox_id == id_ and s.accepted]
+        if any(began <= at <= ended for at in times):
+            summary.window_marketing_accepted += 1
+            problem(id_, f"{PAUSED_SET} mail accepted while {PAUSED_SET} was paused")
+        elif times and times[0] < began:
+            summary.marketing_before += 1
+        elif times:
+            summary.marketing_after += 1
+        if (row.status, accepted[id_], row.attempt_count) != ("sent", 1, 1):
+            problem(id_, f"{PAUSED_SET} mail not sent once on its first attempt")
+    if summary.relay_states["paused"]:
+        summary.problems.append(
+            f"a relay showed 'paused' during the {PAUSED_SET} pause: {dict(summary.relay_states)}"
+        )
 
 
 def reconcile_restarts(tries: dict[int, list[Any]], summary: Summary) -> None:
@@ -984,7 +1380,7 @@ def run(
         raise ValueError(f"unknown scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
     if sender not in SENDERS:
         raise ValueError(f"unknown sender {sender!r}: one of {', '.join(SENDERS)}")
-    if sender == "fake" and scenario in ("ses_faults", "combined"):
+    if sender == "fake" and scenario in ("ses_faults", "combined", "tls_fault", "paused_set"):
         raise ValueError(f"the {scenario} scenario injects SES faults: it needs --sender ses")
     if scenario == "db_restart" and not restart_command:
         raise ValueError("the db_restart scenario needs a restart command")
@@ -999,21 +1395,47 @@ def run(
         empty(engine)
         moto.reset()
         warm_up(moto)
-        categories = enqueue(engine, count, expires_in=3 + count / 60)
+        marketing: set[int] | None = set() if scenario == "paused_set" else None
+        categories = enqueue(engine, count, expires_in=3 + count / 60, marketing=marketing)
+        summary.marketing = frozenset(marketing or ())
         poisoned: set[int] = set()
         if scenario == "poison":
             poisoned = set(rng.sample(sorted(i for i, c in categories.items() if c == "fast"), 3))
             poison(engine, sorted(poisoned))
         held_back = hold_xmin(engine) if scenario == "xmin" else None
+        certificate = make_certificate(workdir / "tls", "ses") if scenario == "tls_fault" else None
+        tls = certificate.server_context() if certificate is not None else None
         # hangs outlive the client's read timeout (an ambiguous send)
-        with FaultServer(moto.url, FaultPlan(seed=seed, hang_seconds=SEND_TIMEOUT + 1)) as ses:
-            fleet = Fleet(database_url, ses.url, workdir, relay_args(sender), record)
+        plan = FaultPlan(seed=seed, hang_seconds=SEND_TIMEOUT + 1)
+        with contextlib.ExitStack() as stack:
+            ses = stack.enter_context(FaultServer(moto.url, plan, tls=tls))
+            proxy = None
+            if scenario == "db_outage":
+                proxy = stack.enter_context(DatabaseProxy(database_url))
+            fleet = Fleet(
+                database_url if proxy is None else proxy.url,
+                ses.url,
+                workdir,
+                relay_args(sender),
+                record,
+                ca_bundle=certificate.cert_file if certificate is not None else None,
+            )
             started = time.monotonic()
             try:
-                for _ in range(replicas):
-                    fleet.start()
+                for n in range(replicas):
+                    skewed = scenario == "clock_skew" and n < len(CLOCK_OFFSETS)
+                    fleet.start(CLOCK_OFFSETS[n] if skewed else None)
                 faults = Faults(
-                    engine, database_url, fleet, ses, summary, rng, count, workdir, restart_command
+                    engine,
+                    database_url,
+                    fleet,
+                    ses,
+                    summary,
+                    rng,
+                    count,
+                    workdir,
+                    restart_command,
+                    proxy,
                 )
                 inject(faults, scenario)
                 wait_for(
@@ -1025,6 +1447,12 @@ def run(
                 fleet.stop_all(summary, engine)
             finally:
                 fleet.kill_all()
+            if proxy is not None and proxy.errors:
+                summary.problems.append(f"database proxy errors: {proxy.errors[:3]}")
+            if scenario == "paused_set":
+                for proc in fleet.started:
+                    if "sending paused (account" in proc.output():
+                        summary.problems.append(f"{proc.relay_id} paused all sending")
             reconcile(engine, ses, categories, summary, poisoned, record)
         if held_back is not None:
             if not held_back.in_transaction():

@@ -4,12 +4,16 @@ reconciliation of every row against what SES accepted.
 
 N is kept small for CI (the whole file runs in a few minutes for both backends): 600 per run,
 900 where faults take seconds of the run (database restarts, CLI cancels, the combined run),
-10,000 for the xmin throughput pair (no-latency sender). ``pytest --ledger-messages 3000`` runs
+1,200 for the clock skew run (so it lasts a few leases), 10,000 for the xmin throughput pair
+(no-latency sender). ``pytest --ledger-messages 3000`` runs
 every ledger test at that N; the harness runs any N from the command line.
 
 The database restart tests restart the server for real with the shell command in
 ``OUTBOX_TEST_POSTGRES_RESTART`` / ``OUTBOX_TEST_MYSQL_RESTART`` (``.ci/run`` sets both to
-``.ci/restart-db``). Without it they skip, and fail when CI=true.
+``.ci/restart-db``). Without it they skip, and fail when CI=true. No other test here restarts
+a server: the database outage is a proxy between the relays and the server that drops and
+refuses their connections, the clock skew is libfaketime on two of the relays, the TLS fault
+and the paused configuration set are the fault server's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from sqlalchemy.orm import sessionmaker
 from outbox.exceptions import InvalidEmail
 from outbox.schema import messages
 from tests.conftest import CI, Backend, Order, _emptied
-from tests.reliability.ledger import OUTBOX, Summary, run
+from tests.reliability.ledger import (
+    LEASE,
+    OUTBOX,
+    PAUSED_SET,
+    PAUSED_SET_WINDOW,
+    Summary,
+    run,
+)
 from tests.ses_emulator import MotoSes
 from tests.unit.test_message import INVALID, make
 
@@ -61,7 +72,7 @@ def restart_command(backend: Backend) -> str | None:
     return None
 
 
-def ledger(server_backend, moto, tmp_path, scenario: str, count: int, **options) -> Summary:
+def ledger_run(server_backend, moto, tmp_path, scenario: str, count: int, **options) -> Summary:
     summary = run(
         server_backend.url,
         scenario=scenario,
@@ -72,6 +83,16 @@ def ledger(server_backend, moto, tmp_path, scenario: str, count: int, **options)
         **options,
     )
     print("\n" + summary.line())
+    return summary
+
+
+def ledger(server_backend, moto, tmp_path, scenario: str, count: int, **options) -> Summary:
+    summary = ledger_run(server_backend, moto, tmp_path, scenario, count, **options)
+    return reconciled(summary, count)
+
+
+def reconciled(summary: Summary, count: int) -> Summary:
+    """What every ledger run must show, whatever its faults."""
     assert summary.problems == []
     assert summary.duplicates == 0
     assert summary.lost == 0
@@ -183,6 +204,80 @@ def test_every_fault_in_one_run_loses_nothing(server_backend, moto, tmp_path, si
     assert summary.cancel_lost >= 1, summary.cancels
     assert summary.cancelled == summary.cancel_confirmed
     assert summary.failed == 0
+
+
+def test_a_database_outage_longer_than_the_lease_loses_no_send_ses_accepted(
+    server_backend, moto, tmp_path, size
+):
+    """The relays reach the database through a proxy that, while sends are in flight, drops
+    every connection and refuses new ones for longer than the lease; the server runs on. SES
+    accepts the sends in flight meanwhile. When the database is back every relay saves what
+    it finished before any relay sweeps it: no send SES accepted ends unknown_outcome or is
+    swept as lease_expired (and so none is sent again), each ends sent with SES's id."""
+    count = size(600)
+    summary = ledger_run(server_backend, moto, tmp_path, "db_outage", count)
+
+    assert summary.outage is not None
+    assert summary.outage[1] - summary.outage[0] > LEASE
+    assert summary.dropped_connections >= RELAYS  # every relay's loop connection at least
+    [frozen] = summary.in_flight_at_faults
+    assert frozen >= 1, "no send was in flight at the cut: this run proves nothing"
+    assert summary.outage_in_flight_accepted >= 1
+    assert summary.accepted_unknown == 0, summary.problems[:10]
+    assert summary.delivered == summary.sent  # every row SES accepted is sent
+    assert summary.resend_duplicates == 0
+    reconciled(summary, count)
+    assert summary.failed == 0
+
+
+def test_relays_with_clocks_two_minutes_ahead_and_behind_expire_no_lease(
+    server_backend, moto, tmp_path, size
+):
+    """One relay's wall clock runs two minutes ahead, another's two minutes behind
+    (libfaketime; SES sees it in the requests' signing dates), the third is right. Leases,
+    sweeps and heartbeats are on the database's clock: no lease expires, nothing is
+    ambiguous, nothing is sent twice."""
+    summary = ledger(server_backend, moto, tmp_path, "clock_skew", size(1200))
+
+    offsets = summary.signing_offsets
+    assert set(offsets) == {-2, 0, 2}, f"not every relay sent on its own clock: {offsets}"
+    assert summary.lease_expired == 0
+    assert summary.unknown == 0
+    assert (summary.failed, summary.resend_duplicates) == (0, 0)
+
+
+def test_a_tls_error_after_ses_took_the_request_is_ambiguous_and_never_resent(
+    server_backend, moto, tmp_path, size
+):
+    """The relays talk TLS to the fault server, which answers a share of the sends, once
+    moto took them, with a corrupt TLS record. Each is ambiguous (an SSLError attempt): hold
+    mail is parked as unknown_outcome, received exactly once and never sent again (checked
+    per row by the harness); resend mail is sent again."""
+    summary = ledger(server_backend, moto, tmp_path, "tls_fault", size(600))
+
+    assert summary.tls_faults >= 5, summary.requests
+    assert summary.tls_held >= 1
+    assert summary.unknown >= summary.tls_held
+    assert summary.ambiguous_faults == summary.tls_faults
+    assert summary.failed == 0
+
+
+def test_a_paused_configuration_set_holds_only_its_own_mail(server_backend, moto, tmp_path, size):
+    """Mail of the configuration set ``marketing`` is paused by SES for a window while the
+    rest flows: other mail keeps being accepted during the window, no marketing mail is, and
+    afterwards each marketing message is delivered once, on its first attempt (the pause used
+    none). No relay ever shows ``paused``: the account never was."""
+    summary = ledger(server_backend, moto, tmp_path, "paused_set", size(600))
+
+    assert summary.window is not None
+    assert summary.window_other_sends >= 5 * PAUSED_SET_WINDOW, "other mail stopped too"
+    assert summary.window_marketing_accepted == 0
+    assert summary.marketing_refused >= 1, f"no send met the {PAUSED_SET} pause"
+    assert summary.marketing_after >= len(summary.marketing) // 2, "the window held little"
+    assert summary.marketing_before + summary.marketing_after == len(summary.marketing)
+    assert summary.relay_states["running"]
+    assert summary.relay_states["paused"] == 0
+    assert (summary.unknown, summary.failed) == (0, 0)
 
 
 def test_a_relay_stopped_past_its_lease_finalizes_stale_and_duplicates_nothing(
