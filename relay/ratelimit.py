@@ -40,6 +40,7 @@ from datetime import datetime, timedelta
 __all__ = [
     "HORIZON",
     "LATE_START",
+    "MAX_HANDOFF",
     "SLACK",
     "WINDOW",
     "Booking",
@@ -57,6 +58,7 @@ LATE_START = timedelta(milliseconds=35)  # of the slack, what a send thread may 
 HORIZON = timedelta(milliseconds=200)  # how far ahead of a send's start it is booked
 HANDOFF = 0.05  # seconds: the first guess of how long a booking takes to reach its thread
 HANDOFF_HALF_LIFE = 10.0  # seconds: how fast the longest handoff seen is forgotten
+MAX_HANDOFF = 5.0  # seconds: the longest lead ever used (a frozen process is not a handoff)
 PRUNE_INTERVAL = 1.0  # seconds (monotonic) between deletions of bookings that no longer count
 
 
@@ -217,10 +219,16 @@ class SendBudget:
     @property
     def lead(self) -> timedelta:
         """How far after ``now`` a send is booked at the earliest: the time a booking takes to
-        reach its send thread (the transaction's commit, the handoff), learnt from the last
-        sends, so a thread waits for its slot rather than start late. At most half the
-        horizon."""
-        return min(self.horizon / 2, timedelta(seconds=self._handoff))
+        reach its send thread (the transaction's round trips and commit, the handoff), learnt
+        from the last sends, so a thread waits for its slot rather than start late. Not
+        capped by the horizon (which reaches that much further): with a database tens of
+        milliseconds away, a capped lead would make every send miss its slot, for ever."""
+        return timedelta(seconds=min(self._handoff, MAX_HANDOFF))
+
+    @property
+    def reach(self) -> timedelta:
+        """How far ahead of ``now`` sends are booked: the horizon beyond the lead."""
+        return self.lead + self.horizon
 
     def lookback(self, now: datetime) -> datetime:
         """Bookings whose hold on the budget ended before this cannot affect one at ``now``."""
@@ -238,7 +246,7 @@ class SendBudget:
         floor = now + self.lead
         for recipients in sizes:
             start = earliest_start(schedule, recipients, limit=limit, now=floor, span=self.span)
-            if start > now + self.horizon:
+            if start > now + self.reach:
                 self._next = start
                 return planned
             booking = Booking(
@@ -255,7 +263,7 @@ class SendBudget:
         limit = self.rate
         if limit is None:
             return math.inf
-        if self._next is not None and self._next > self._clock() + self.horizon:
+        if self._next is not None and self._next > self._clock() + self.reach:
             return 0.0
         return float(max(1, math.ceil(limit * (self.horizon + self.slack).total_seconds())))
 
@@ -263,7 +271,7 @@ class SendBudget:
         """How long until the budget may have room within the horizon (0: look now)."""
         if self.rate is None or self._next is None:
             return 0.0
-        return max(0.0, (self._next - self.horizon - self._clock()).total_seconds())
+        return max(0.0, (self._next - self.reach - self._clock()).total_seconds())
 
     def prune_due(self, now: datetime) -> datetime | None:
         """Once a second: the cut-off before which bookings may be deleted (None: not now)."""

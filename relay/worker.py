@@ -1038,6 +1038,7 @@ class Relay:
             result = fn()
         except sa.exc.DBAPIError as exc:
             self._db_failures += 1
+            self._sweep_from = math.inf  # no sweep until reconnected and the others had time
             log.warning(
                 "database error: %s",
                 exc.orig if exc.orig is not None else exc,
@@ -1045,14 +1046,18 @@ class Relay:
             )
             return None
         if self._db_failures:
-            # back after an outage: other relays may be just back too, and need a moment to
-            # save and renew what they hold before anyone sweeps it
-            self._sweep_from = time.monotonic() + self.config.heartbeat_interval
+            # back after an outage: the other relays are coming back too (each within one
+            # backoff, at most a heartbeat interval), and need a moment to save and renew
+            # what they hold before anyone sweeps it
+            self._sweep_from = time.monotonic() + 2 * self.config.heartbeat_interval
         self._db_failures = 0
         return True if result is None else result
 
     def _db_backoff(self) -> float:
-        return min(30.0, 0.25 * 2.0 ** min(self._db_failures, 8)) * random.uniform(0.5, 1.0)
+        """Jittered exponential, at most a heartbeat interval: after an outage every relay is
+        back within one, before anyone's sweep (which waits two) can take its sends."""
+        cap = min(30.0, self.config.heartbeat_interval)
+        return min(cap, 0.25 * 2.0 ** min(self._db_failures, 8)) * random.uniform(0.5, 1.0)
 
     def _announce(
         self,

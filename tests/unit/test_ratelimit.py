@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from relay.ratelimit import (
     HORIZON,
     LATE_START,
+    MAX_HANDOFF,
     SLACK,
     WINDOW,
     Booking,
@@ -243,13 +244,34 @@ def test_sends_are_booked_as_far_ahead_as_their_handoff_to_a_thread_takes():
     plan.wait(Slot(planned=ticks[0] - 0.01, start=ticks[0]))
     assert plan.lead == s(0.08)  # the longest of the last ones counts, not the last
     plan.wait(Slot(planned=ticks[0] - 1.0, start=ticks[0]))
-    assert plan.lead == HORIZON / 2  # never more than half the horizon
+    assert plan.lead == s(1.0)  # a database far away: book that far ahead, however far
+    assert plan.plan([], [1], clock.now)[0].start == T0 + s(1.0)  # within reach: booked
     ticks[0] += 30.0  # three half-lives of quick handoffs
     plan.wait(Slot(planned=ticks[0] - 0.001, start=ticks[0]))
-    assert plan.lead == HORIZON / 2  # 1 s faded to 1/8 s: still over the cap
+    assert plan.lead == s(0.125)  # 1 s faded to 1/8 s
     ticks[0] += 50.0
     plan.wait(Slot(planned=ticks[0] - 0.001, start=ticks[0]))
     assert plan.lead < s(0.01)
+    plan.wait(Slot(planned=ticks[0] - 60.0, start=ticks[0]))  # a process frozen for a minute
+    assert plan.lead == s(MAX_HANDOFF)
+
+
+def test_a_handoff_longer_than_the_horizon_is_learnt_from_one_missed_slot():
+    """With the database tens of milliseconds away, the commit alone outlasts the first guess:
+    the first send misses its slot, and the next is booked far enough ahead to make its own
+    (a lead capped below the handoff missed every slot, for ever)."""
+    clock = Clock()
+    ticks = [100.0]
+    plan = SendBudget(RateController(10.0), clock=clock, monotonic=lambda: ticks[0])
+    handoff = 0.205  # four round trips of 50 ms and a thread's start
+    first = plan.plan([], [1], clock.now)[0]
+    late = plan.wait(Slot(planned=ticks[0] - handoff, start=ticks[0] - handoff + 0.05))
+    assert late is not None  # missed, given back
+    assert first.start == T0 + s(0.05)
+    again = plan.plan([], [1], clock.now)
+    assert again, "nothing booked: the lead outgrew the horizon"
+    assert again[0].start >= clock.now + s(handoff)
+    assert plan.wait(Slot(planned=ticks[0] - handoff, start=ticks[0])) is None  # on time
 
 
 def test_rate_controller_halves_on_throttling_and_recovers_linearly():
