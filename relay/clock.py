@@ -7,7 +7,9 @@ measured on the database's clock. Reading it on every use would cost a round tri
 statement, so :class:`DatabaseClock` reads it now and then and advances the reading with
 ``time.monotonic`` in between: a step of the host's wall clock never moves it, and the drift of
 a monotonic clock over the resampling interval is microseconds. The error of a reading is at
-most half the round trip of the query that took it.
+most half the round trip of the query that took it, so each sample takes a few readings and
+keeps the one with the shortest round trip (as NTP does): one stalled query cannot skew the
+clock a relay books sends and sweeps with.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sqlalchemy as sa
 __all__ = ["RESAMPLE_SECONDS", "DatabaseClock", "read_database_time"]
 
 RESAMPLE_SECONDS = 10.0  # how often the relay reads the database's clock again
+READINGS = 3  # per sample; the one with the shortest round trip is kept
 
 
 def read_database_time(conn: sa.Connection) -> datetime:
@@ -58,6 +61,7 @@ class DatabaseClock:
         self._monotonic = monotonic
         self._lock = threading.Lock()
         self._anchor: tuple[datetime, float] | None = None  # (database time, monotonic time)
+        self.error = 0.0  # seconds: at most this far from the database's clock (half a trip)
 
     @property
     def synced(self) -> bool:
@@ -69,13 +73,22 @@ class DatabaseClock:
         anchor = self._anchor
         return anchor is None or self._monotonic() - anchor[1] >= self._resample
 
-    def sample(self, conn: sa.Connection) -> datetime:
-        """Read the database's clock on ``conn`` and anchor to it; returns the reading."""
-        before = self._monotonic()
-        value = read_database_time(conn)
-        after = self._monotonic()
+    def sample(self, conn: sa.Connection, readings: int = READINGS) -> datetime:
+        """Read the database's clock on ``conn`` ``readings`` times and anchor to the reading
+        with the shortest round trip; returns that reading. ``error`` is then half its round
+        trip."""
+        best: tuple[float, datetime, float] | None = None
+        for _ in range(max(1, readings)):
+            before = self._monotonic()
+            value = read_database_time(conn)
+            after = self._monotonic()
+            if best is None or after - before < best[0]:
+                best = (after - before, value, (before + after) / 2)
+        assert best is not None
+        trip, value, mono = best
         with self._lock:
-            self._anchor = (value, (before + after) / 2)
+            self._anchor = (value, mono)
+            self.error = trip / 2
         return value
 
     def __call__(self) -> datetime:

@@ -111,3 +111,32 @@ def test_a_relay_without_a_clock_uses_the_databases(tmp_path):
     finally:
         relay._pool.shutdown()
         engine.dispose()
+
+
+class Stalling(Monotonic):
+    """The first reading's round trip takes ``stall`` seconds (a stalled statement); the
+    others are quick."""
+
+    def __init__(self, stall: float) -> None:
+        super().__init__(start=100.0)
+        self.calls = 0
+        self.stall = stall
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls == 2:  # the "after" of the first reading
+            self.now += self.stall
+        else:
+            self.now += 0.001
+        return self.now
+
+
+def test_a_stalled_reading_is_not_the_one_kept(conn):
+    """One slow round trip would put the anchor up to half of it off the database's clock,
+    enough to crowd a second of the send budget: the quickest of the readings is kept."""
+    mono = Stalling(stall=0.3)
+    clock = DatabaseClock(monotonic=mono)
+    clock.sample(conn)
+    assert mono.calls == 6  # three readings
+    assert clock.error == pytest.approx(0.0005)
+    assert clock.error < 0.01
