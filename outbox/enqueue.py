@@ -199,16 +199,25 @@ def _insert_plain(
 def _insert_mysql(conn: sa.Connection, row: dict[str, Any]) -> tuple[int, bool]:
     """The plain insert under the key's named lock, held only for the insert statement.
 
-    A transaction that inserted the key itself skips the lock: its insert finds its own row
-    without waiting, while a waiter holding the lock may be waiting for this very transaction.
+    A transaction that inserted the key itself skips the lock while its row is there: it
+    reads its own row instead of inserting, since a waiter holding the lock may be waiting for
+    this very transaction. A row its own savepoint rolled back is gone: then it locks.
     The lookup after a duplicate is a locking read, which reads the latest committed row that a
     REPEATABLE READ snapshot may not show.
     """
     key = row["idempotency_key"]
     transaction = conn.get_transaction()
-    mine = _inserted.get(transaction, ()) if transaction is not None else ()
+    mine = _inserted.get(transaction, set()) if transaction is not None else set()
+    if key in mine:
+        # This transaction inserted the key: if its row is still there (a plain read sees
+        # one's own rows) that is the duplicate, with no lock and no wait. If a savepoint
+        # rolled it back, the key is free again and takes the lock like any other.
+        own = conn.execute(_existing, {"key": key}).scalar()
+        if own is not None:
+            return int(own), True
+        mine.discard(key)
     lock = {"name": "outbox:" + hashlib.sha1(key.encode(), usedforsecurity=False).hexdigest()}
-    locked = key not in mine and conn.execute(_get_lock, lock).scalar() == 1
+    locked = conn.execute(_get_lock, lock).scalar() == 1
     try:
         new_id, duplicate = _insert_plain(conn, row, _existing_locking)
     except BaseException:

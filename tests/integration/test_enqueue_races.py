@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -254,6 +255,44 @@ def test_same_transaction_enqueues_its_key_again_while_another_waits(race_engine
     result = caller.finish()
     assert (result.id, result.duplicate) == (first.id, True)
     assert order_ids(race_engine) == [1, 3]
+
+
+def test_a_key_its_own_savepoint_rolled_back_is_enqueued_like_any_other(race_engine, held):
+    """T2 enqueues a key inside its own savepoint and rolls that back: the key is no longer
+    T2's. T1 then holds the key, T3 waits on it, T2 enqueues it again and waits too, T1 rolls
+    back: nobody's transaction is aborted (T2 once skipped the key's lock on the strength of
+    the rolled-back insert, and deadlocked with T3)."""
+    ob = Outbox()
+    Sessions = sessionmaker(race_engine)
+    gate = threading.Event()
+    # a key no earlier test used: a delete-marked index entry of an old "race" row, not yet
+    # purged, would make T2's first insert take a lock its savepoint's rollback keeps
+    key = f"race-{uuid.uuid4()}"
+
+    def again(session: Session) -> Any:
+        nested = session.begin_nested()
+        ob.enqueue(session, email(2), key=key)
+        nested.rollback()
+        gate.wait(5)
+        return ob.enqueue(session, email(2), key=key)
+
+    second = Caller(Sessions, 2, again).launch()
+    holder = Sessions()
+    held.append(holder)
+    holder.add(Order(id=1, customer="holder"))
+    time.sleep(0.2)  # T2's savepoint has come and gone before T1 holds the key
+    ob.enqueue(holder, email(1), key=key)
+    third = Caller(Sessions, 3, lambda s: ob.enqueue(s, email(3), key=key)).launch()
+    wait_until_blocked(race_engine, [third.id])
+    gate.set()
+    wait_until_blocked(race_engine, [second.id, third.id])
+    holder.rollback()
+    holder.close()
+    results = [second.finish(), third.finish()]
+    assert sorted(r.duplicate for r in results) == [False, True]
+    assert results[0].id == results[1].id
+    assert [r.id for r in rows(race_engine)] == [results[0].id]
+    assert order_ids(race_engine) == [2, 3]
 
 
 def test_lock_wait_timeout_rolls_back_only_the_outbox_statement(race_engine, held):
