@@ -267,13 +267,27 @@ def _committed_id(conn: sa.Connection, key: str) -> int | None:
         return None
     schema_map = conn.get_execution_options().get("schema_translate_map")
     try:
-        with engine.connect() as other:
+        with _side_engine(engine).connect() as other:
             if schema_map is not None:
                 other = other.execution_options(schema_translate_map=schema_map)
             existing = other.execute(_existing, {"key": key}).scalar()
     except SQLAlchemyError:
         return None
     return None if existing is None else int(existing)
+
+
+_side_engines: weakref.WeakKeyDictionary[sa.Engine, sa.Engine] = weakref.WeakKeyDictionary()
+
+
+def _side_engine(engine: sa.Engine) -> sa.Engine:
+    """An engine on a pool of its own with ``engine``'s settings (``Pool.recreate``), for the
+    lookup outside the caller's snapshot: borrowing from the caller's pool would wait for a
+    connection, or fail, exactly when every connection is held by callers racing on keys."""
+    side = _side_engines.get(engine)
+    if side is None:
+        side = sa.Engine(engine.pool.recreate(), engine.dialect, engine.url)
+        _side_engines[engine] = side
+    return side
 
 
 def _rolled_back(savepoint: sa.NestedTransaction) -> bool:

@@ -235,6 +235,34 @@ def test_winner_committed_after_the_snapshot_is_a_duplicate(race_engine, held, i
     assert order_ids(race_engine) == [1, 2]
 
 
+def test_invisible_winner_is_a_duplicate_even_with_every_pooled_connection_in_use(
+    postgres_backend, held
+):
+    """Both of the pool's connections are held by callers whose snapshots predate the
+    winner's commit: the lookup outside their snapshots does not wait for (or fail on) a
+    connection of that pool. It once raised the serialization failure after pool_timeout."""
+    ob = Outbox()
+    engine = sa.create_engine(postgres_backend.url, pool_size=2, max_overflow=0, pool_timeout=1)
+    try:
+        Snapshot = sessionmaker(engine.execution_options(isolation_level="REPEATABLE READ"))
+        callers = [Snapshot(), Snapshot()]
+        held.extend(callers)
+        for n, session in enumerate(callers, start=1):
+            session.add(Order(id=n, customer=f"caller {n}"))
+            session.flush()  # each holds a connection and a snapshot from here on
+        with postgres_backend.engine.begin() as conn:  # the winner, on another pool
+            won = ob.enqueue(Session(bind=conn), email(3), key="race")
+        started = time.monotonic()
+        results = [ob.enqueue(session, email(n), key="race") for n, session in enumerate(callers)]
+        assert time.monotonic() - started < 1.0  # no wait for a connection of the full pool
+        for session in callers:
+            session.commit()
+    finally:
+        engine.dispose()
+    assert [(r.id, r.duplicate) for r in results] == [(won.id, True)] * 2
+    assert order_ids(postgres_backend.engine) == [1, 2]
+
+
 def test_same_transaction_enqueues_its_key_again_while_another_waits(race_engine, held):
     """T3 enqueues a key, T1 enqueues it and waits on T3, T3 enqueues it again: T3 is not made
     to wait for T1 (which waits for T3), and both commit."""
