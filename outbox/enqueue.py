@@ -268,9 +268,12 @@ def _committed_id(conn: sa.Connection, key: str) -> int | None:
     schema_map = conn.get_execution_options().get("schema_translate_map")
     try:
         with _side_engine(engine).connect() as other:
-            if schema_map is not None:
-                other = other.execution_options(schema_translate_map=schema_map)
-            existing = other.execute(_existing, {"key": key}).scalar()
+            try:
+                if schema_map is not None:
+                    other = other.execution_options(schema_translate_map=schema_map)
+                existing = other.execute(_existing, {"key": key}).scalar()
+            finally:
+                other.invalidate()  # closed for good: no idle connection outlives the lookup
     except SQLAlchemyError:
         return None
     return None if existing is None else int(existing)
