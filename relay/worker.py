@@ -828,19 +828,23 @@ class Relay:
         self._last_heartbeat = time.monotonic()
         log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
 
+    def _holds_row(self, conn: sa.Connection, now: datetime) -> bool:
+        """Heartbeat the row this relay registered; False if it has none, or lost it."""
+        return self._registered_at is not None and store.heartbeat_held(
+            conn,
+            relay_id=self.relay_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self._registered_at,
+            now=now,
+            state=self.state,
+        )
+
     def _take_row(self) -> store.RelayHolder | None:
         """Register; returns the live holder of the relay id instead, if there is one."""
         now = self.clock()
         with self._transaction() as conn:
-            if self._registered_at is not None and store.heartbeat_held(
-                conn,
-                relay_id=self.relay_id,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                started_at=self._registered_at,
-                now=now,
-                state=self.state,
-            ):
+            if self._holds_row(conn, now):
                 return None  # registered already (a heartbeat before run() did it)
             holder = store.register(
                 conn,
@@ -872,15 +876,7 @@ class Relay:
             return
         holder = None
         with self._transaction() as conn:
-            mine = self._registered_at is not None and store.heartbeat_held(
-                conn,
-                relay_id=self.relay_id,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                started_at=self._registered_at,
-                now=now,
-                state=self.state,
-            )
+            mine = self._holds_row(conn, now)
             if not mine:
                 holder = store.register(
                     conn,
