@@ -177,7 +177,10 @@ def test_operator_cancels_mid_run_are_never_sent_and_lost_races_are_reported(
     assert summary.cancel_confirmed >= 1, summary.cancels
     assert summary.cancel_lost >= 1, summary.cancels  # at least the rows already sent
     assert summary.cancelled == summary.cancel_confirmed
-    assert (summary.unknown, summary.failed, summary.ended_after_unanswered) == (0, 0, 0)
+    # no fault: unknown_outcome only from requests SES accepted and answered after the read
+    # timeout (a loaded machine), which the harness counts from the fault server's record
+    assert summary.unknown <= summary.slow_answers
+    assert (summary.failed, summary.ended_after_unanswered) == (0, 0)
 
 
 def test_every_fault_in_one_run_loses_nothing(server_backend, moto, tmp_path, size):
