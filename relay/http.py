@@ -2,11 +2,13 @@
 
 * ``GET /healthz``: 200 ``ok`` while the relay's loop is alive (it passed within
   ``stall_seconds``); 503 ``starting``, ``stopped`` or ``loop stalled for Ns`` otherwise.
-  For a liveness probe: a database outage does not fail it (the loop keeps backing off).
+  For a liveness probe: a database outage does not fail it (the loop keeps backing off), also
+  one that was there before the relay's first pass.
 * ``GET /readyz``: 200 ``ok`` when the database answers ``SELECT 1`` (within ``db_timeout``,
   cached ``db_cache_seconds``) and the relay is neither paused nor draining; else 503 and the
   reason: ``draining``, ``paused: AccountSendingPausedException``,
   ``database unreachable: ...`` (the driver's first line, never the URL's password).
+  For monitoring, not for a sidecar's readiness probe: a sidecar's readiness gates its pod's.
 * ``GET /metrics``: the relay's registry in the Prometheus text format.
 
 Anything else is a 404. Requests are not logged.

@@ -235,8 +235,17 @@ class Relay:
 
         Raises :class:`~outbox.exceptions.ConfigurationError` before sending anything if the
         database has no outbox tables."""
-        while self._with_db(self._check_schema) is None and not self._stopping.is_set():
-            self._stopping.wait(self._db_backoff())
+        # waiting for the database is the loop being alive (for /healthz): a relay started
+        # during an outage must not be restarted by its liveness probe for it
+        self.loop_at = time.monotonic()
+        while self._with_db(self._check_schema) is None:
+            if self._stopping.wait(self._db_backoff()):  # stopped before the database answered:
+                self._pool.shutdown(wait=False)  # nothing was claimed, nothing is registered
+                self._drop_connection()
+                self.loop_at = None
+                log.info("stopped before the database answered", extra={"action": "stopped"})
+                return
+            self.loop_at = time.monotonic()
         self._with_db(self._register)
         try:
             while not self._stopping.is_set():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.metadata
 import socket
 import threading
@@ -21,7 +22,7 @@ from sqlalchemy.orm import Session
 from outbox import Category, Email, Outbox
 from outbox.schema import attempts, messages
 from relay.config import RelayConfig
-from relay.db import make_engine
+from relay.db import CONNECT_TIMEOUT, make_engine
 from relay.http import start_http_server
 from relay.metrics import RelayMetrics
 from relay.senders import Accepted, Disabled, OutgoingMessage, Permanent, Transient
@@ -274,6 +275,71 @@ def test_readyz_answers_within_its_timeout_when_the_database_hangs():
                 if t.name == "outbox-db-probe":
                     t.join(10)
             engine.dispose()
+
+
+def test_healthz_passes_while_a_relay_started_during_an_outage_waits_for_its_database():
+    """A liveness probe must not restart a relay for an outage a restart cannot fix, also one
+    that was there before the relay's first pass (the wait for the schema is the loop)."""
+    url = "postgresql+psycopg://postgres@127.0.0.1:1/outbox"  # connection refused
+    engine = make_engine(url)
+    # backoff is capped at a heartbeat interval (lease / 4 = 1.25 s here), under the stall
+    # limit, as 30 s is under 60 s in production
+    relay = make_relay(None, FakeSender(), engine=engine, url=url)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            relay.run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="relay-without-db", daemon=True)
+    try:
+        with serving(relay, stall_seconds=2.5) as http:
+            thread.start()
+            wait_for(lambda: http.get("/healthz").status == 200)
+            time.sleep(4.0)  # past the stall limit, refused connections and backoff all along
+            assert (http.get("/healthz").status, http.get("/healthz").body) == (200, "ok\n")
+            assert http.get("/readyz").status == 503
+    finally:
+        relay.request_stop()
+        thread.join(10)
+        engine.dispose()
+    assert not thread.is_alive()
+    assert errors == [], "a relay stopped before its database answered exits cleanly"
+    assert relay.loop_at is None
+
+
+def test_a_database_host_that_never_answers_does_not_stall_the_loop_past_its_health():
+    """The relay's engine gives up a connection attempt after CONNECT_TIMEOUT seconds (libpq
+    alone waits minutes), so the loop goes on backing off and /healthz stays 200."""
+    accepted: list[socket.socket] = []
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/outbox"
+        engine = make_engine(url)
+        relay = make_relay(None, FakeSender(), engine=engine, url=url)
+        thread = threading.Thread(target=relay.run, name="relay-db-silent", daemon=True)
+        stall = CONNECT_TIMEOUT * 0.8
+        try:
+            with serving(relay, stall_seconds=stall) as http:
+                thread.start()
+                began = time.monotonic()
+                while time.monotonic() - began < CONNECT_TIMEOUT + stall * 0.5:
+                    with contextlib.suppress(TimeoutError):
+                        accepted.append(listener.accept()[0])  # and never answer
+                assert len(accepted) >= 2, "the first attempt was given up and retried"
+                assert http.get("/healthz").status == 200
+        finally:
+            relay.request_stop()
+            for conn in accepted:
+                conn.close()
+            thread.join(10)
+            engine.dispose()
+    assert not thread.is_alive()
 
 
 # -- metrics -------------------------------------------------------------------------------
