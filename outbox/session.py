@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 from sqlalchemy.orm import Session, UOWTransaction, scoped_session, sessionmaker
 
 from outbox import signals
@@ -27,6 +27,39 @@ RuleFunction = Callable[[Any], Email | None]
 SessionTarget = sessionmaker[Any] | async_sessionmaker[Any] | type[Session] | type[AsyncSession]
 
 _BIND_ARGS = {"clause": messages}
+
+
+def _check_sync_session(session: object) -> None:
+    """Refuse what is not a sync session before anything runs: calling an AsyncSession's
+    methods here would create coroutines nobody awaits, and an Engine or a Connection is not
+    the caller's transaction."""
+    if isinstance(session, Session | scoped_session):
+        return
+    if isinstance(session, AsyncSession | async_scoped_session):
+        raise TypeError(
+            "enqueue() needs a sync Session; with an AsyncSession use "
+            "`await ob.enqueue_async(session, email, ...)`"
+        )
+    raise TypeError(_not_a_session("enqueue", session, "Session"))
+
+
+def _check_async_session(session: object) -> None:
+    if isinstance(session, AsyncSession | async_scoped_session):
+        return
+    if isinstance(session, Session | scoped_session):
+        raise TypeError(
+            "enqueue_async() needs an AsyncSession; with a sync Session use "
+            "`ob.enqueue(session, email, ...)`"
+        )
+    raise TypeError(_not_a_session("enqueue_async", session, "AsyncSession"))
+
+
+def _not_a_session(method: str, session: object, expected: str) -> str:
+    return (
+        f"{method}() writes in a session's transaction: pass the {expected} your change is "
+        f"made in, not a {type(session).__module__}.{type(session).__qualname__} (the row "
+        "must commit or roll back with the caller's own changes)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,6 +126,7 @@ class Outbox:
         caller's transaction stays usable. Lower ``priority`` sends first. Bad input raises an
         :class:`~outbox.exceptions.EnqueueError` before anything touches the database.
         """
+        _check_sync_session(session)
         row, cat = self._row(email, key, category, priority, not_before, expires_at)
         conn = session.connection(bind_arguments=_BIND_ARGS)
         return self._write(conn, row, email, cat)
@@ -109,6 +143,7 @@ class Outbox:
         expires_at: datetime | None = None,
     ) -> EnqueueResult:
         """:meth:`enqueue` for an ``AsyncSession``."""
+        _check_async_session(session)
         row, cat = self._row(email, key, category, priority, not_before, expires_at)
         conn = await session.connection(bind_arguments=_BIND_ARGS)
         return await conn.run_sync(lambda sync_conn: self._write(sync_conn, row, email, cat))

@@ -126,3 +126,54 @@ def test_async_duplicate_committed_after_the_snapshot(server_backend):
     assert keys(server_backend.engine) == ["race"]
     with server_backend.engine.connect() as conn:
         assert conn.execute(sa.select(Order.id)).scalars().all() == [1]
+
+
+def test_a_sync_enqueue_given_an_async_session_says_which_call_to_use(backend):
+    """No coroutine is created and left unawaited (warnings are errors here), and the
+    session's transaction is untouched: the right call then commits with it."""
+    ob = Outbox()
+
+    async def scenario(engine):
+        async with async_sessionmaker(engine)() as session:
+            session.add(Order(id=1, customer="ada"))
+            with pytest.raises(TypeError, match=r"await ob\.enqueue_async\(session, email"):
+                ob.enqueue(session, welcome(User(id=1, email="a@example.com")), key="k1")
+            await ob.enqueue_async(session, welcome(User(id=1, email="a@example.com")), key="k1")
+            await session.commit()
+
+    run(backend, scenario)
+    assert keys(backend.engine) == ["k1"]
+
+
+def test_an_async_enqueue_given_a_sync_session_says_which_call_to_use(backend):
+    ob = Outbox()
+    with sessionmaker(backend.engine)() as session:
+        session.add(Order(id=1, customer="ada"))
+        with pytest.raises(TypeError, match=r"ob\.enqueue\(session, email"):
+            asyncio.run(
+                ob.enqueue_async(session, welcome(User(id=1, email="a@example.com")), key="k1")
+            )
+        ob.enqueue(session, welcome(User(id=1, email="a@example.com")), key="k1")
+        session.commit()
+    assert keys(backend.engine) == ["k1"]
+
+
+@pytest.mark.parametrize("target", ["engine", "connection", "async_engine"])
+def test_enqueue_given_an_engine_or_a_connection_asks_for_the_session(backend, target):
+    ob = Outbox()
+    email = welcome(User(id=1, email="a@example.com"))
+    with backend.engine.connect() as conn:
+        given = {
+            "engine": backend.engine,
+            "connection": conn,
+            "async_engine": create_async_engine(backend.async_url),
+        }[target]
+        try:
+            with pytest.raises(TypeError, match=r"pass the Session your change is made in, not "):
+                ob.enqueue(given, email)
+            with pytest.raises(TypeError, match=r"pass the AsyncSession .* not a sqlalchemy"):
+                asyncio.run(ob.enqueue_async(given, email))
+        finally:
+            if target == "async_engine":
+                asyncio.run(given.dispose())
+    assert keys(backend.engine) == []
