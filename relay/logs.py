@@ -1,10 +1,16 @@
-"""Log lines as ``key=value`` pairs (default) or one JSON object per line.
+"""Log lines as logfmt (``text``, the default) or one JSON object per line (``json``).
 
 Every relay line carries an ``action`` and, where there is one, a ``message_id``; never a body
 or a credential. Both formats drop any field named ``text``, ``html``, ``body`` or ``payload``
 (a body must never reach a log, even by mistake), and mask the addresses in fields named
 ``recipients``, ``recipient``, ``to``, ``cc`` or ``bcc`` (``a***@example.com``) unless
 ``log_recipients`` is set.
+
+Both formats have one record per line, whatever a message or a traceback holds, and the same
+keys: ``ts`` (ISO 8601 in UTC, ``Z``, milliseconds), ``level``, ``logger``, the extra fields
+(``action`` and ``message_id`` first), ``msg``, then ``exc`` (a traceback) and ``stack``. An
+extra field named like one of those fixed keys gets a trailing ``_``. Values are written by
+:func:`relay.formats.plain` (timestamps in UTC with ``Z``, ``Decimal`` as a number).
 """
 
 from __future__ import annotations
@@ -13,16 +19,18 @@ import json
 import logging
 import sys
 from collections.abc import Iterable
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 from email.utils import getaddresses
 from typing import Any, Literal, TextIO
 
-__all__ = ["JsonFormatter", "KeyValueFormatter", "configure", "mask_addresses"]
+from relay.formats import plain, utc_iso
+
+__all__ = ["JsonFormatter", "KeyValueFormatter", "configure", "logfmt_value", "mask_addresses"]
 
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
 _BODY_FIELDS = frozenset({"text", "html", "body", "payload"})
 _ADDRESS_FIELDS = frozenset({"recipients", "recipient", "to", "cc", "bcc"})
-_JSON_RESERVED = frozenset({"ts", "level", "logger", "msg", "exc", "stack"})
+_RESERVED = frozenset({"ts", "level", "logger", "msg", "exc", "stack"})
 
 
 def _mask_one(address: str) -> str:
@@ -60,25 +68,105 @@ def _extra_fields(record: logging.LogRecord, *, log_recipients: bool) -> dict[st
     return dict(ordered)
 
 
+def _timestamp(record: logging.LogRecord) -> str:
+    return utc_iso(datetime.fromtimestamp(record.created, UTC), "milliseconds")
+
+
+def _fields(
+    formatter: logging.Formatter, record: logging.LogRecord, *, log_recipients: bool
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The record's extra fields, plain (see :func:`relay.formats.plain`) and renamed off the
+    fixed keys, and its trailing ``exc`` and ``stack`` texts, if any."""
+    extra = {
+        f"{key}_" if key in _RESERVED else key: plain(value)
+        for key, value in _extra_fields(record, log_recipients=log_recipients).items()
+    }
+    tail: dict[str, str] = {}
+    if record.exc_info:
+        record.exc_text = record.exc_text or formatter.formatException(record.exc_info)
+    if record.exc_text:
+        tail["exc"] = record.exc_text
+    if record.stack_info:
+        tail["stack"] = formatter.formatStack(record.stack_info)
+    return extra, tail
+
+
+_LOGFMT_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _logfmt_key(name: str) -> str:
+    """A key logfmt can hold: no space, ``=``, ``"`` or unprintable character (each becomes
+    ``_``), never empty."""
+    cleaned = "".join("_" if _needs_quotes(c) else c for c in name)
+    return cleaned or "_"
+
+
+def _needs_quotes(char: str) -> bool:
+    return char in ' ="\\' or not char.isprintable()
+
+
+def _escape(char: str) -> str:
+    """One character inside a quoted value, escaped as in a JSON string (what logfmt parsers
+    decode): short escapes, ``\\uXXXX`` (a surrogate pair past the BMP) for the unprintable.
+    A lone surrogate (undecodable bytes let in by ``surrogateescape``) has no UTF-8 form: it
+    is written as U+FFFD, as any UTF-8 log pipeline would."""
+    if char in _LOGFMT_SHORT_ESCAPES:
+        return _LOGFMT_SHORT_ESCAPES[char]
+    if char.isprintable():
+        return char
+    code = ord(char)
+    if 0xD800 <= code <= 0xDFFF:
+        return "\ufffd"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def logfmt_value(value: Any) -> str:
+    """``value`` (plain) as a logfmt value: bare when it can be, else quoted and escaped; lists
+    are joined with ``, ``, mappings written as JSON."""
+    if value is True or value is False:
+        text = "true" if value else "false"
+    elif value is None:
+        text = "null"
+    elif isinstance(value, list):
+        text = ", ".join(item if isinstance(item, str) else json.dumps(item) for item in value)
+    elif isinstance(value, dict):
+        text = json.dumps(value, ensure_ascii=False)
+    else:
+        text = str(value)
+    if text and not any(_needs_quotes(c) for c in text):
+        return text
+    return '"' + "".join(_escape(c) for c in text) + '"'
+
+
 class KeyValueFormatter(logging.Formatter):
-    """``2026-11-29T12:00:00 INFO action=sent message_id=42 sent``"""
+    """One logfmt line per record::
+
+        ts=2026-12-01T12:00:00.123Z level=info logger=relay action=sent message_id=42 msg=sent
+
+    Keys in the order of the module docstring; ``level`` in lower case as logfmt tools expect.
+    A value with a space, ``=``, ``"``, ``\\`` or an unprintable character is quoted, with
+    ``"`` and ``\\`` escaped and newlines as ``\\n``, so a driver's multi-line error or a
+    traceback (``exc``) stays on its line.
+    """
 
     def __init__(self, *, log_recipients: bool = False) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(fields)s%(message)s", "%Y-%m-%dT%H:%M:%S")
+        super().__init__()
         self.log_recipients = log_recipients
 
     def format(self, record: logging.LogRecord) -> str:
-        extra = _extra_fields(record, log_recipients=self.log_recipients)
-        record.fields = "".join(f"{k}={v} " for k, v in extra.items())
-        return super().format(record)
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, set | frozenset | tuple):
-        return list(value)
-    return str(value)
+        extra, tail = _fields(self, record, log_recipients=self.log_recipients)
+        pairs: dict[str, Any] = {
+            "ts": _timestamp(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            **extra,
+            "msg": record.getMessage(),
+            **tail,
+        }
+        return " ".join(f"{_logfmt_key(k)}={logfmt_value(v)}" for k, v in pairs.items())
 
 
 class JsonFormatter(logging.Formatter):
@@ -96,22 +184,16 @@ class JsonFormatter(logging.Formatter):
         self.log_recipients = log_recipients
 
     def format(self, record: logging.LogRecord) -> str:
-        ts = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        extra, tail = _fields(self, record, log_recipients=self.log_recipients)
         doc: dict[str, Any] = {
-            "ts": ts.replace("+00:00", "Z"),
+            "ts": _timestamp(record),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
+            **extra,
+            **tail,
         }
-        for key, value in _extra_fields(record, log_recipients=self.log_recipients).items():
-            doc[f"{key}_" if key in _JSON_RESERVED else key] = value
-        if record.exc_info:
-            record.exc_text = record.exc_text or self.formatException(record.exc_info)
-        if record.exc_text:
-            doc["exc"] = record.exc_text
-        if record.stack_info:
-            doc["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(doc, default=_json_default)
+        return json.dumps(doc, ensure_ascii=True)
 
 
 def configure(
@@ -121,7 +203,7 @@ def configure(
     *,
     stream: TextIO | None = None,
 ) -> None:
-    """Send the ``relay`` loggers' lines to ``stream`` (stderr) as ``text`` (key=value) or
+    """Send the ``relay`` loggers' lines to ``stream`` (stderr) as ``text`` (logfmt) or
     ``json`` lines. Recipients are masked unless ``log_recipients``."""
     formatter: logging.Formatter
     if fmt == "text":

@@ -1,4 +1,4 @@
-"""The relay's log lines: key=value text (default) or JSON, recipients masked, bodies never."""
+"""The relay's log lines: logfmt text (default) or JSON, recipients masked, bodies never."""
 
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ import json
 import logging
 import re
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from zoneinfo import ZoneInfo
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from relay import logs
+from tests.logfmt import LogfmtError, parse, parse_pairs
 
 SECRET_BODY = "Your password reset code is 123456"
 
@@ -124,22 +129,172 @@ def test_json_keeps_clashing_and_odd_extras(relay_logging):
 
     doc = json.loads(lines_of("json", emit)[0])
     assert (doc["level"], doc["level_"], doc["ts_"]) == ("WARNING", "mine", 1)
-    assert doc["when"] == "2026-11-29T12:00:00+00:00"
+    assert doc["when"] == "2026-11-29T12:00:00.000000Z"  # UTC with Z, as everywhere
     assert doc["ids"] == [3]
     assert doc["obj"] == "<class 'object'>"
 
 
-def test_text_format_is_unchanged(relay_logging):
+STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+
+
+def test_text_lines_are_logfmt_in_a_fixed_key_order(relay_logging):
     def emit(log):
         log.info("sent", extra={"action": "sent", "message_id": 42, "code": None, "swept": True})
         log.debug("claimed", extra={"count": 3, "action": "claimed"})
         log.warning("plain")
 
     lines = lines_of("text", emit)
-    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d"
-    assert re.fullmatch(stamp + r" INFO action=sent message_id=42 swept=True sent", lines[0])
-    assert re.fullmatch(stamp + r" DEBUG action=claimed count=3 claimed", lines[1])
-    assert re.fullmatch(stamp + r" WARNING plain", lines[2])
+
+    def head(level: str) -> str:
+        return f"ts={STAMP} level={level} logger=relay.worker "
+
+    assert re.fullmatch(head("info") + "action=sent message_id=42 swept=true msg=sent", lines[0])
+    assert re.fullmatch(head("debug") + "action=claimed count=3 msg=claimed", lines[1])
+    assert re.fullmatch(head("warning") + "msg=plain", lines[2])
+    for line in lines:
+        assert [k for k, _ in parse_pairs(line)][:3] == ["ts", "level", "logger"]
+
+
+def test_text_timestamps_are_utc_with_a_zone(relay_logging):
+    before = datetime.now(UTC) - timedelta(seconds=1)
+    (line,) = lines_of("text", sent_line)
+    ts = datetime.fromisoformat(parse(line)["ts"])
+    assert ts.tzinfo is not None
+    assert ts.utcoffset() == timedelta(0)
+    assert before <= ts <= datetime.now(UTC)
+
+
+def test_text_quotes_and_escapes_what_would_break_a_line(relay_logging):
+    driver_error = 'server closed the connection\n\tDETAIL:  "x" = \\ y\r\n'
+
+    def emit(log):
+        log.error(
+            "database error: %s",
+            driver_error,
+            extra={"action": "db_error", "scope": "identity:shop example", "empty": "", "n": 1.5},
+        )
+
+    (line,) = lines_of("text", emit)  # one line, though the message has three
+    assert 'scope="identity:shop example"' in line
+    assert 'msg="database error: server closed the connection\\n\\tDETAIL:  \\"x\\" = ' in line
+    fields = parse(line)
+    assert fields["msg"] == f"database error: {driver_error}"
+    assert (fields["scope"], fields["empty"], fields["n"]) == ("identity:shop example", "", "1.5")
+
+
+def test_text_traceback_stays_on_the_line_as_exc(relay_logging):
+    def emit(log):
+        try:
+            raise RuntimeError("provider went away\nfor good")
+        except RuntimeError:
+            log.exception("sender raised", extra={"action": "sender_error", "message_id": 7})
+
+    (line,) = lines_of("text", emit)
+    fields = parse(line)
+    assert list(fields)[-2:] == ["msg", "exc"]
+    assert [fields[k] for k in ("level", "action", "message_id")] == ["error", "sender_error", "7"]
+    assert fields["exc"].startswith("Traceback (most recent call last):\n")
+    assert fields["exc"].endswith("RuntimeError: provider went away\nfor good")
+
+
+def test_text_values_are_written_plain(relay_logging):
+    when = datetime(2026, 11, 29, 13, 0, tzinfo=ZoneInfo("Europe/Berlin"))  # 12:00 UTC
+
+    def emit(log):
+        log.info(
+            "odd",
+            extra={
+                "action": "x",
+                "level": "mine",
+                "when": when,
+                "naive": datetime(2026, 11, 29, 12, 0),  # UTC by the project's convention
+                "lag": Decimal("0.0116"),
+                "count": Decimal("3"),
+                "ids": {3, 1},
+                "flag": False,
+                "to": ["alice@example.com", "bob@example.com"],
+            },
+        )
+
+    fields = parse(lines_of("text", emit)[0])
+    assert (fields["level"], fields["level_"]) == ("info", "mine")
+    assert fields["when"] == "2026-11-29T12:00:00.000000Z"
+    assert fields["naive"] == "2026-11-29T12:00:00.000000Z"
+    assert (fields["lag"], fields["count"], fields["flag"]) == ("0.0116", "3", "false")
+    assert fields["ids"] == "1, 3"
+    assert fields["to"] == "a***@example.com, b***@example.com"
+
+
+def test_text_keys_logfmt_cannot_hold_are_made_safe(relay_logging):
+    def emit(log):
+        log.info("k", extra={"action": "x", "a key": 1, 'q"=k': 2, "tab\tkey": 3})
+
+    fields = parse(lines_of("text", emit)[0])
+    assert (fields["a_key"], fields["q__k"], fields["tab_key"]) == ("1", "2", "3")
+
+
+def test_a_lone_surrogate_is_written_as_the_replacement_character(relay_logging):
+    def emit(log):
+        log.info("path %s", "caf\udce9", extra={"action": "x"})
+
+    (line,) = lines_of("text", emit)
+    line.encode("utf-8")  # a lone surrogate would not encode
+    assert parse(line)["msg"] == "path caf\ufffd"
+
+
+@given(st.text(alphabet=st.characters(exclude_categories=("Cs",))))
+@example("")
+@example('\\"')
+@example("\U000e0001 \x7f\x00")
+def test_any_text_round_trips_through_a_logfmt_value(text):
+    line = f"k={logs.logfmt_value(text)}"
+    assert parse(line) == {"k": text}
+
+
+_NAME = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True).filter(
+    lambda k: (
+        k not in logs._STANDARD
+        and k not in logs._RESERVED
+        and k not in logs._BODY_FIELDS
+        and k not in logs._ADDRESS_FIELDS
+    )
+)
+
+
+@given(
+    message=st.text(alphabet=st.characters(exclude_categories=("Cs",))),
+    fields=st.dictionaries(_NAME, st.text(alphabet=st.characters(exclude_categories=("Cs",)))),
+)
+def test_any_record_is_one_logfmt_line_that_reads_back(message, fields):
+    formatter = logs.KeyValueFormatter()
+    record = logging.makeLogRecord(
+        {"name": "relay.worker", "levelno": 20, "levelname": "INFO", "msg": message, **fields}
+    )
+    line = formatter.format(record)
+    assert len(line.splitlines()) == 1
+    parsed = parse(line)
+    assert parsed.pop("msg") == message
+    assert {k: parsed.pop(k) for k in ("ts", "level", "logger")}.keys() == {"ts", "level", "logger"}
+    assert parsed == fields
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "k=v ",
+        "k=v  j=w",
+        "k=",
+        "=v",
+        'k="unterminated',
+        'k="bad \\q escape"',
+        "k=a\tb",
+        'k="v"j=w',
+        "k=v k=w",
+    ],
+)
+def test_the_strict_parser_refuses_what_is_not_logfmt(line):
+    with pytest.raises(LogfmtError):
+        parse(line)
 
 
 def test_text_is_the_default_and_the_level_applies(relay_logging):
@@ -148,7 +303,7 @@ def test_text_is_the_default_and_the_level_applies(relay_logging):
     log = logging.getLogger("relay")
     log.info("hidden", extra={"action": "x"})
     log.warning("shown", extra={"action": "y"})
-    assert stream.getvalue().endswith(" WARNING action=y shown\n")
+    assert stream.getvalue().endswith(" level=warning logger=relay action=y msg=shown\n")
     assert "hidden" not in stream.getvalue()
     assert log.propagate is False
 
