@@ -4,12 +4,13 @@ Every relay line carries an ``action`` and, where there is one, a ``message_id``
 or a credential. Both formats drop any field named ``text``, ``html``, ``body`` or ``payload``
 (a body must never reach a log, even by mistake), and mask the addresses in fields named
 ``recipients``, ``recipient``, ``to``, ``cc`` or ``bcc`` (``a***@example.com``) unless
-``log_recipients`` is set.
+``log_recipients`` is set; names match in any case, also inside a dict or list value.
 
 Both formats have one record per line, whatever a message or a traceback holds, and the same
 keys: ``ts`` (ISO 8601 in UTC, ``Z``, milliseconds), ``level``, ``logger``, the extra fields
 (``action`` and ``message_id`` first), ``msg``, then ``exc`` (a traceback) and ``stack``. An
-extra field named like one of those fixed keys gets a trailing ``_``. Values are written by
+extra field named like one of those fixed keys gets a trailing ``_`` (more, if that name is
+taken too). Values are written by
 :func:`relay.formats.plain` (timestamps in UTC with ``Z``, ``Decimal`` as a number).
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from email.utils import getaddresses
 from typing import Any, Literal, TextIO
@@ -54,16 +55,36 @@ def mask_addresses(value: Any) -> Any:
     return "***"
 
 
+def _is_body(key: object) -> bool:
+    return str(key).lower() in _BODY_FIELDS
+
+
+def _scrubbed(key: object, value: Any, *, log_recipients: bool) -> Any:
+    """``value`` of the field ``key`` with the addresses masked (unless ``log_recipients``)
+    and, at any depth of mappings and lists, the body fields dropped and the address fields
+    masked: a message's fields logged as one dict must not carry its body or its addresses
+    either. Field names match in any case (``To`` as a header is named)."""
+    if str(key).lower() in _ADDRESS_FIELDS and not log_recipients:
+        return mask_addresses(value)
+    if isinstance(value, Mapping):
+        return {
+            k: _scrubbed(k, v, log_recipients=log_recipients)
+            for k, v in value.items()
+            if not _is_body(k)
+        }
+    if isinstance(value, list | tuple):
+        return [_scrubbed(None, item, log_recipients=log_recipients) for item in value]
+    return value
+
+
 def _extra_fields(record: logging.LogRecord, *, log_recipients: bool) -> dict[str, Any]:
     """The record's extra fields, ``action`` and ``message_id`` first, bodies dropped,
     addresses masked, None values left out."""
     fields: dict[str, Any] = {}
     for key, value in record.__dict__.items():
-        if key in _STANDARD or key == "fields" or key in _BODY_FIELDS or value is None:
+        if key in _STANDARD or key == "fields" or _is_body(key) or value is None:
             continue
-        if key in _ADDRESS_FIELDS and not log_recipients:
-            value = mask_addresses(value)
-        fields[key] = value
+        fields[key] = _scrubbed(key, value, log_recipients=log_recipients)
     ordered = sorted(fields.items(), key=lambda kv: (kv[0] != "action", kv[0] != "message_id"))
     return dict(ordered)
 
@@ -77,10 +98,13 @@ def _fields(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The record's extra fields, plain (see :func:`relay.formats.plain`) and renamed off the
     fixed keys, and its trailing ``exc`` and ``stack`` texts, if any."""
-    extra = {
-        f"{key}_" if key in _RESERVED else key: plain(value)
-        for key, value in _extra_fields(record, log_recipients=log_recipients).items()
-    }
+    fields = _extra_fields(record, log_recipients=log_recipients)
+    extra: dict[str, Any] = {}
+    for key, value in fields.items():
+        name = key
+        while name in _RESERVED or name in extra or (name != key and name in fields):
+            name += "_"  # a renamed field never overwrites one given under its new name
+        extra[name] = plain(value)
     tail: dict[str, str] = {}
     if record.exc_info:
         record.exc_text = record.exc_text or formatter.formatException(record.exc_info)

@@ -134,6 +134,51 @@ def test_json_keeps_clashing_and_odd_extras(relay_logging):
     assert doc["obj"] == "<class 'object'>"
 
 
+def nested_fields_line(log: logging.Logger) -> None:
+    log.warning(
+        "message as a dict",
+        extra={
+            "action": "x",
+            "email": {
+                "subject": "Hi",
+                "text": SECRET_BODY,
+                "To": "Alice Smith <alice@example.com>",
+                "parts": [{"html": f"<p>{SECRET_BODY}</p>", "cc": ["carol@example.net"]}],
+            },
+            "Body": SECRET_BODY,
+        },
+    )
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_bodies_and_addresses_nested_in_a_field_are_dropped_and_masked(relay_logging, fmt):
+    """A dict of a message's fields logged whole (by a custom sender, a signal handler) must
+    not carry its body or its addresses either, whatever the case of their names."""
+    (line,) = lines_of(fmt, nested_fields_line)
+    assert "123456" not in line
+    for name in ("alice", "Alice Smith", "carol"):
+        assert name not in line
+    assert "a***@example.com" in line
+    assert "c***@example.net" in line
+    if fmt == "json":
+        assert json.loads(line)["email"] == {
+            "subject": "Hi",
+            "To": "a***@example.com",
+            "parts": [{"cc": ["c***@example.net"]}],
+        }
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_renamed_clashing_extra_never_overwrites_another_field(relay_logging, fmt):
+    def emit(log):
+        log.warning("m", extra={"ts": "mine", "ts_": "also mine", "level": 1, "level_": 2})
+
+    (line,) = lines_of(fmt, emit)
+    fields = json.loads(line) if fmt == "json" else parse(line)
+    assert (fields["ts_"], fields["ts__"]) == ("also mine", "mine")
+    assert (fields["level_"], fields["level__"]) == ((2, 1) if fmt == "json" else ("2", "1"))
+
+
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
 
 
