@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import click
@@ -22,6 +23,7 @@ from outbox.schema import Status, utcnow
 from relay import store
 from relay.cli_options import database_url, open_engine, option
 from relay.clock import read_database_time
+from relay.formats import plain, utc_iso
 
 __all__ = ["COMMANDS", "parse_duration"]
 
@@ -101,13 +103,32 @@ def _filter(
     )
 
 
+def _text(value: Any) -> str:
+    """One value as the text output shows it: a timestamp in UTC to the second with ``Z``
+    (``2026-12-01T12:00:00Z``, as in the logs and ``--json``), a number as itself, None as
+    nothing, a list joined with ``, ``; control characters (a driver's multi-line error)
+    escaped so a value keeps to its line."""
+    if isinstance(value, datetime):
+        return utc_iso(value, "seconds")
+    value = plain(value)
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ", ".join(_text(item) for item in value)
+    text = json.dumps(value) if isinstance(value, dict) else str(value)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """Rows as aligned columns; ages (floats) to a tenth of a second, long text cut at 48."""
+
     def cell(value: Any) -> str:
-        if isinstance(value, datetime):
-            return value.strftime("%Y-%m-%d %H:%M:%S")
-        if isinstance(value, float):
-            return f"{value:.1f}"
-        text = "" if value is None else str(value)
+        number = plain(value) if isinstance(value, float | Decimal) else None
+        if isinstance(number, float):
+            return f"{number:.1f}"
+        text = _text(value)
         return text if len(text) <= 48 else text[:45] + "..."
 
     cells = [[cell(row.get(c)) for c in columns] for row in rows]
@@ -130,7 +151,10 @@ def _database(url: str) -> Iterator[sa.Engine]:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, default=str, indent=2, sort_keys=True)
+    """``value`` as the commands' ``--json`` prints it: indented, keys sorted, made plain by
+    :func:`relay.formats.plain` (timestamps ISO 8601 in UTC with ``Z``, numbers as numbers,
+    None as null)."""
+    return json.dumps(plain(value), indent=2, sort_keys=True)
 
 
 def _operator() -> str:
@@ -142,6 +166,28 @@ def _operator() -> str:
 
 # -- read -----------------------------------------------------------------------------------
 
+_LIFE_ORDER = {s.value: n for n, s in enumerate(Status)}  # the state machine's order
+_REPORT_ORDER: dict[str, Callable[[dict[str, Any]], tuple[Any, ...]]] = {
+    "status_summary": lambda r: (r["category"], _LIFE_ORDER.get(r["status"], 99), r["status"]),
+    "lag": lambda r: (r["category"],),
+    "failures": lambda r: (r["category"], r["error_code"] is None, r["error_code"] or ""),
+    "relay_health": lambda r: (r["relay_id"],),
+}
+
+
+def _report(conn: sa.Connection) -> dict[str, Any]:
+    """What ``status`` shows, each view's rows in a stable order: by category, then status in
+    the order of a message's life (pending, retrying, processing, sent, failed,
+    unknown_outcome, cancelled, expired), or error code (none last); relays by id."""
+    report: dict[str, Any] = {
+        view: sorted(store.read_view(conn, f"outbox_{view}"), key=order)
+        for view, order in _REPORT_ORDER.items()
+    }
+    report["unknown_outcomes"] = store.count_messages(
+        conn, store.Filter(statuses=(Status.UNKNOWN_OUTCOME.value,))
+    )
+    return report
+
 
 @click.command()
 @database_url
@@ -149,13 +195,7 @@ def _operator() -> str:
 def status(database_url: str, as_json: bool) -> None:
     """What the outbox holds: counts per status and category, lag, failures, relays."""
     with _database(database_url) as engine, engine.connect() as conn:
-        report: dict[str, Any] = {
-            view: store.read_view(conn, f"outbox_{view}")
-            for view in ("status_summary", "lag", "failures", "relay_health")
-        }
-        report["unknown_outcomes"] = store.count_messages(
-            conn, store.Filter(statuses=(Status.UNKNOWN_OUTCOME.value,))
-        )
+        report = _report(conn)
     if as_json:
         click.echo(_json(report))
         return
@@ -251,7 +291,7 @@ def show(database_url: str, message_id: int, as_json: bool) -> None:
     width = max(len(k) for k in message)
     for name, value in message.items():
         if value not in (None, [], ""):
-            click.echo(f"{name.ljust(width)}  {value}")
+            click.echo(f"{name.ljust(width)}  {_text(value)}")
     click.echo(f"\nattempts ({len(attempts)})")
     if attempts:
         click.echo(

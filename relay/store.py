@@ -1025,11 +1025,40 @@ def prune_batch(conn: sa.Connection, *, before: datetime, limit: int) -> int:
     return int(result.rowcount)
 
 
+_COUNT, _SECONDS, _TIME = sa.Integer(), sa.Float(), UTCDateTime()
+_VIEW_TYPES: dict[str, dict[str, sa.types.TypeEngine[Any]]] = {
+    "outbox_status_summary": {
+        "message_count": _COUNT,
+        "oldest_created_at": _TIME,
+        "oldest_next_attempt_at": _TIME,
+    },
+    "outbox_lag": {"due_count": _COUNT, "oldest_due_at": _TIME, "lag_seconds": _SECONDS},
+    "outbox_unknown_outcomes": {
+        "id": _COUNT,
+        "claimed_at": _TIME,
+        "send_started_at": _TIME,
+        "attempt_count": _COUNT,
+        "updated_at": _TIME,
+    },
+    "outbox_failures": {"message_count": _COUNT, "newest_at": _TIME, "newest_message_id": _COUNT},
+    "outbox_relay_health": {
+        "pid": _COUNT,
+        "started_at": _TIME,
+        "heartbeat_at": _TIME,
+        "heartbeat_age_seconds": _SECONDS,
+    },
+}
+
+
 def read_view(conn: sa.Connection, name: str) -> list[dict[str, Any]]:
-    """The rows of one of the operator views (``outbox_status_summary``, ``outbox_lag``, ...)."""
+    """The rows of one of the operator views (``outbox_status_summary``, ``outbox_lag``, ...),
+    typed alike on every backend: timestamps aware in UTC (SQLite gives text, MariaDB naive
+    UTC, PostgreSQL the session's zone), ages in seconds as floats (PostgreSQL and MariaDB
+    give ``Decimal``), counts and ids as ints."""
     if name not in VIEWS:
         raise ValueError(f"not an outbox view: {name}")
-    return [dict(row._mapping) for row in conn.execute(sa.text(f"SELECT * FROM {name}"))]
+    stmt = sa.text(f"SELECT * FROM {name}").columns(**_VIEW_TYPES.get(name, {}))
+    return [dict(row._mapping) for row in conn.execute(stmt)]
 
 
 # -- relays ------------------------------------------------------------------------------
