@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 from sqlalchemy.orm import Session, UOWTransaction, scoped_session, sessionmaker
+from sqlalchemy.util.concurrency import in_greenlet
 
 from outbox import signals
 from outbox.category import DEFAULT_CATEGORIES, Category
@@ -34,6 +35,13 @@ def _check_sync_session(session: object) -> None:
     methods here would create coroutines nobody awaits, and an Engine or a Connection is not
     the caller's transaction."""
     if isinstance(session, Session | scoped_session):
+        if _on_async_driver(session) and not in_greenlet():
+            raise TypeError(
+                "enqueue() got a Session on an async driver outside `run_sync` (an "
+                "AsyncSession's sync_session?); use `await ob.enqueue_async(session, email, "
+                "...)` with the AsyncSession, or call enqueue() inside `await "
+                "session.run_sync(...)`"
+            )
         return
     if isinstance(session, AsyncSession | async_scoped_session):
         raise TypeError(
@@ -41,6 +49,17 @@ def _check_sync_session(session: object) -> None:
             "`await ob.enqueue_async(session, email, ...)`"
         )
     raise TypeError(_not_a_session("enqueue", session, "Session"))
+
+
+def _on_async_driver(session: Session | scoped_session[Any]) -> bool:
+    """Whether the outbox table's bind talks through an async driver: its sync Session can
+    only run inside SQLAlchemy's greenlet (``run_sync``); anywhere else its first statement
+    leaves a coroutine unawaited and fails with ``MissingGreenlet``."""
+    try:
+        bind = session.get_bind(clause=messages)
+    except sa.exc.UnboundExecutionError:
+        return False  # enqueue's own connection() names the missing bind
+    return bool(bind.dialect.is_async)
 
 
 def _check_async_session(session: object) -> None:

@@ -177,3 +177,22 @@ def test_enqueue_given_an_engine_or_a_connection_asks_for_the_session(backend, t
             if target == "async_engine":
                 asyncio.run(given.dispose())
     assert keys(backend.engine) == []
+
+
+def test_enqueue_given_an_async_sessions_sync_session_outside_run_sync_says_what_to_do(backend):
+    """``AsyncSession.sync_session`` is a Session, but on an async driver it runs only inside
+    ``run_sync``: outside it the call is refused before anything runs (no MissingGreenlet, no
+    coroutine left unawaited), and inside it, as in a rule, the same call works."""
+    ob = Outbox()
+
+    async def scenario(engine):
+        async with async_sessionmaker(engine)() as session:
+            session.add(Order(id=1, customer="ada"))
+            email = welcome(User(id=1, email="a@example.com"))
+            with pytest.raises(TypeError, match=r"outside `run_sync`.*enqueue_async\(session"):
+                ob.enqueue(session.sync_session, email, key="k1")
+            await session.run_sync(lambda sync_session: ob.enqueue(sync_session, email, key="k1"))
+            await session.commit()
+
+    run(backend, scenario)
+    assert keys(backend.engine) == ["k1"]
