@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
 # The outbox relay as a sidecar image: `outbox-relay run` delivers the outbox, and the same
-# image runs `outbox-relay migrate` as an init step (the migrations ship inside the wheel).
+# image runs `outbox-relay migrate` as an init step (its migrations are in the outbox package).
 #
 #   docker build -t sqlalchemy-outbox-relay .
 #   docker run --rm -e OUTBOX_DATABASE_URL=... sqlalchemy-outbox-relay migrate   # init step
@@ -39,7 +39,6 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY outbox ./outbox
 COPY relay ./relay
-COPY migrations ./migrations
 RUN pip wheel --wheel-dir /wheels ".[ses,postgres,mysql]"
 
 # -- runtime: only the installed packages, run as a fixed non-root uid ---------------------

@@ -5,23 +5,34 @@ Two ways to create the outbox schema:
 * **Standalone** (sidecar / init container): ``outbox-relay migrate --database-url URL`` or
   :func:`upgrade`. Revisions are recorded in their own table, ``outbox_alembic_version``, so
   they never collide with the host app's ``alembic_version``.
-* **Inside the host app's alembic**: add the versions directory to ``version_locations``
-  (``outbox:_migrations/versions`` for an installed package, or :func:`versions_dir`) and run
-  ``alembic upgrade heads``; the revisions carry the branch label ``outbox``.
+* **Inside the host app's alembic**: in ``alembic.ini`` set ``path_separator = newline`` (in
+  place of the ``os`` that ``alembic init`` writes: on POSIX that splits on ``:``, which would
+  cut ``outbox:_migrations/versions`` in two) and list ``outbox:_migrations/versions`` after
+  the app's own directory in ``version_locations``; then ``alembic upgrade heads``. The
+  revisions carry the branch label ``outbox``. In the app's ``env.py``, pass
+  :func:`include_object` (autogenerate and ``alembic check`` ignore the outbox schema) and
+  :func:`process_revision_directives` (the app's new revisions go to the app's own directory
+  and branch, never onto the outbox branch) to ``context.configure``.
 
-Pick one per database: both record what they applied, in different tables.
+The migrations are the package directory ``outbox/_migrations`` in the source tree, so every
+install (editable, wheel, sdist) has them at the same place. Pick one way per database: both
+record what they applied, in different tables.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+from alembic.operations.ops import MigrationScript
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import coerce_resource_to_filename
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox.schema import metadata
 
@@ -33,6 +44,7 @@ __all__ = [
     "downgrade",
     "include_object",
     "migrations_dir",
+    "process_revision_directives",
     "upgrade",
     "versions_dir",
 ]
@@ -51,12 +63,14 @@ VIEWS = frozenset(
 
 
 def migrations_dir() -> Path:
-    """The alembic script directory: inside the installed wheel, or the source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_migrations", here.parent / "migrations"):
-        if (candidate / "env.py").is_file():
-            return candidate
-    raise FileNotFoundError("the outbox migrations are missing from this installation")
+    """The alembic script directory, ``outbox/_migrations``: the same path in the source tree
+    and in every install, so ``outbox:_migrations/versions`` always names it."""
+    candidate = Path(__file__).resolve().parent / "_migrations"
+    if not (candidate / "env.py").is_file():
+        raise FileNotFoundError(
+            f"the outbox migrations are missing from this installation: {candidate}"
+        )
+    return candidate
 
 
 def versions_dir() -> Path:
@@ -78,21 +92,29 @@ def alembic_config(url: str | None = None, *, connection: sa.Connection | None =
     return cfg
 
 
-def upgrade(bind: sa.Engine | str, revision: str = "heads") -> None:
-    """Apply the outbox migrations to ``bind`` (an Engine or a URL) up to ``revision``."""
-    _run(bind, command.upgrade, revision)
+def upgrade(bind: sa.Engine | sa.Connection | str, revision: str = "heads") -> None:
+    """Apply the outbox migrations to ``bind`` up to ``revision``.
+
+    ``bind`` is an Engine (one transaction, committed), a URL, or a Connection (its open
+    transaction is used and left to the caller to commit). Alembic is synchronous: with an
+    AsyncEngine, ``async with engine.begin() as conn: await conn.run_sync(upgrade)``.
+    """
+    _run(bind, command.upgrade, revision, "upgrade")
 
 
-def downgrade(bind: sa.Engine | str, revision: str = "base") -> None:
+def downgrade(bind: sa.Engine | sa.Connection | str, revision: str = "base") -> None:
     """Revert the outbox migrations on ``bind`` down to ``revision`` (``base`` drops all)."""
-    _run(bind, command.downgrade, revision)
+    _run(bind, command.downgrade, revision, "downgrade")
 
 
-def current_heads(bind: sa.Engine) -> tuple[set[str], set[str]]:
+def current_heads(bind: sa.Engine | sa.Connection) -> tuple[set[str], set[str]]:
     """(revisions applied in the database, head revisions shipped with this package)."""
-    with bind.connect() as conn:
-        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
-        applied = set(ctx.get_current_heads())
+    _refuse_other_binds(bind, "current_heads", accepted=(sa.Engine, sa.Connection))
+    if isinstance(bind, sa.Connection):
+        applied = _applied(bind)
+    else:
+        with bind.connect() as conn:
+            applied = _applied(conn)
     heads = set(ScriptDirectory.from_config(alembic_config()).get_heads())
     return applied, heads
 
@@ -108,7 +130,59 @@ def include_object(
     return not (table is not None and table.name in metadata.tables)
 
 
-def _run(bind: sa.Engine | str, fn: Any, revision: str) -> None:
+def process_revision_directives(
+    context: MigrationContext, revision: object, directives: list[MigrationScript]
+) -> None:
+    """An alembic ``process_revision_directives`` hook for a host app whose
+    ``version_locations`` include the outbox revisions.
+
+    Without it, ``alembic revision`` builds on the only head there is before the app has one
+    (``outbox@head``): the app's revision would join the outbox branch and be written into the
+    installed package. With it, a revision asked for with the default ``--head head`` is based
+    on the app's own head, or on ``base`` in the app's versions directory for its first one, so
+    plain ``alembic revision --autogenerate -m ...`` does the right thing. An explicit
+    ``--head``/``--version-path`` is left alone; several app heads are left to alembic's own
+    "multiple heads" error. An app with a hook of its own calls this one from it.
+    """
+    script = context.script
+    if script is None:
+        return
+    ours = versions_dir()
+    locations = [coerce_resource_to_filename(loc).resolve() for loc in script.version_locations]
+    if ours not in locations:
+        return
+    app_locations = [loc for loc in locations if loc != ours]
+    app_heads = [
+        head.revision
+        for head in script.get_revisions("heads")
+        if head is not None and Path(head.path).resolve().parent != ours
+    ]
+    for directive in directives:
+        if directive.head not in (None, "head"):  # the command line's default is None
+            continue
+        if len(app_heads) == 1:
+            directive.head = app_heads[0]
+        elif not app_heads:
+            directive.head = "base"
+            if directive.version_path is None and len(app_locations) == 1:
+                directive.version_path = app_locations[0].as_posix()
+
+
+def _applied(conn: sa.Connection) -> set[str]:
+    ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+    return set(ctx.get_current_heads())
+
+
+def _run(
+    bind: sa.Engine | sa.Connection | str,
+    fn: Callable[[Config, str], None],
+    revision: str,
+    name: str,
+) -> None:
+    _refuse_other_binds(bind, name, accepted=(sa.Engine, sa.Connection, str))
+    if isinstance(bind, sa.Connection):
+        fn(alembic_config(connection=bind), revision)
+        return
     engine = sa.create_engine(bind) if isinstance(bind, str) else bind
     try:
         with engine.begin() as conn:
@@ -116,3 +190,43 @@ def _run(bind: sa.Engine | str, fn: Any, revision: str) -> None:
     finally:
         if isinstance(bind, str):
             engine.dispose()
+
+
+_KINDS: dict[type, str] = {
+    sa.Engine: "a sqlalchemy Engine",
+    sa.Connection: "a Connection",
+    str: "a database URL",
+}
+
+
+def _refuse_other_binds(bind: object, name: str, accepted: tuple[type, ...]) -> None:
+    """Alembic is synchronous: an AsyncEngine, its ``sync_engine`` (which cannot connect outside
+    SQLAlchemy's greenlet) or an async driver's URL, or any other object, gets a TypeError saying
+    what to pass instead of an error from deep inside alembic."""
+    asynchronous = _async_kind(bind)
+    if asynchronous is None and isinstance(bind, accepted):
+        return
+    call = f"outbox.migrations.{name}()"
+    if asynchronous is not None:
+        raise TypeError(
+            f"{call} runs alembic, which is synchronous: it cannot take {asynchronous}. Run it "
+            f"on the async engine's connection: `async with engine.begin() as conn: "
+            f"await conn.run_sync(outbox.migrations.{name})`"
+            + (", or pass a URL with a sync driver" if str in accepted else "")
+        )
+    kinds = [_KINDS[kind] for kind in accepted]
+    wanted = ", ".join(kinds[:-1]) + " or " + kinds[-1]
+    raise TypeError(f"{call} takes {wanted}, not {type(bind).__name__}")
+
+
+def _async_kind(bind: object) -> str | None:
+    """How to name ``bind`` in the error if it is asynchronous, else None."""
+    if isinstance(bind, AsyncEngine | AsyncConnection):
+        return f"an {type(bind).__name__}"
+    if isinstance(bind, sa.Engine) and bind.dialect.is_async:
+        return f"an Engine of the async driver {bind.dialect.driver} (such as .sync_engine)"
+    if isinstance(bind, str):
+        dialect = sa.make_url(bind).get_dialect()
+        if dialect.is_async:
+            return f"a URL of the async driver {dialect.driver}"
+    return None

@@ -489,10 +489,10 @@ def test_dockerignore_keeps_tests_venvs_and_caches_out_and_the_wheel_ships_the_m
         *sources, _destination = copy.split()
         for source in sources:
             assert any(p == source or p.startswith(source + "/") for p in image.context), source
-    assert "migrations/versions/0001_outbox_initial.py" in image.context
+    assert "outbox/_migrations/versions/0001_outbox_initial.py" in image.context
     for path in image.context:
         top = path.split("/", 1)[0]
-        assert top in {"pyproject.toml", "README.md", "outbox", "relay", "migrations"}, path
+        assert top in {"pyproject.toml", "README.md", "outbox", "relay"}, path
         assert "__pycache__" not in path
         assert not path.endswith((".pyc", ".pyo"))
 
@@ -505,7 +505,7 @@ def test_dockerignore_keeps_tests_venvs_and_caches_out_and_the_wheel_ships_the_m
         "examples/deploy/compose.yaml",
         "outbox/__pycache__/enqueue.cpython-311.pyc",
         "relay/senders/__pycache__/ses.cpython-311.pyc",
-        "migrations/versions/__pycache__/x.cpython-311.pyc",
+        "outbox/_migrations/versions/__pycache__/x.cpython-311.pyc",
         "relay/.mypy_cache/3.11/relay.json",
         ".pytest_cache/v/cache/lastfailed",
         ".hypothesis/examples/x",

@@ -1,9 +1,12 @@
-"""The bundled migrations on every backend: up, down, up again, no drift, host-app alembic."""
+"""The bundled migrations on every backend: up, down, up again, no drift, host-app alembic,
+async engines, and the same ``outbox/_migrations`` in the wheel and the sdist."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
@@ -12,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox import migrations
 from outbox.schema import metadata
@@ -140,7 +144,7 @@ def host_database(backend, tmp_path):
         return
     url = sa.make_url(backend.url)
     server = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    name = "outbox_host_test"
+    name = f"{url.database}_host"  # next to this run's own database, not a shared name
     with server.connect() as conn:
         conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
         conn.exec_driver_sql(f"CREATE DATABASE {name}")
@@ -199,47 +203,38 @@ def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):
         engine.dispose()
 
 
-def test_wheel_ships_the_migrations(tmp_path):
-    root = Path(__file__).resolve().parents[2]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(root),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = tmp_path.glob("sqlalchemy_outbox-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    assert "outbox/_migrations/env.py" in names
-    assert "outbox/_migrations/versions/0001_outbox_initial.py" in names
-    assert "outbox/py.typed" in names
-    assert "relay/py.typed" in names
-    assert not any(n.startswith(("tests/", "examples/")) for n in names)
-    target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "-q",
-            "--target",
-            str(target),
-            str(wheel),
-        ],
-        check=True,
-        capture_output=True,
-    )
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = {
+    "outbox/_migrations/env.py",
+    "outbox/_migrations/script.py.mako",
+    *(f"outbox/_migrations/versions/{p.name}" for p in migrations.versions_dir().glob("*.py")),
+}
+
+
+def test_the_migrations_are_the_package_directory_in_the_source_tree():
+    """The same ``outbox/_migrations`` in the checkout (so an editable install has it) as in
+    a wheel: ``outbox:_migrations/versions`` names it everywhere."""
+    assert migrations.migrations_dir() == ROOT / "outbox" / "_migrations"
+    assert {"0001_outbox_initial.py", "0002_outbox_send_budget.py"} <= {
+        p.name for p in migrations.versions_dir().glob("*.py")
+    }
+    assert not (ROOT / "migrations").exists()
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True, capture_output=True)
+
+
+def build_wheel(source: Path, into: Path) -> Path:
+    pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(into), str(source))
+    (wheel,) = into.glob("sqlalchemy_outbox-*.whl")
+    return wheel
+
+
+def installed_versions_dir(wheel: Path, target: Path) -> Path:
+    """Install ``wheel`` into ``target`` and resolve ``outbox:_migrations/versions`` there the
+    way alembic resolves a ``version_locations`` entry."""
+    pip("install", "--no-deps", "-q", "--target", str(target), str(wheel))
     probe = subprocess.run(
         [
             sys.executable,
@@ -251,6 +246,89 @@ def test_wheel_ships_the_migrations(tmp_path):
         capture_output=True,
         text=True,
         check=True,
-        cwd=tmp_path,
+        cwd=target.parent,
     )
-    assert Path(probe.stdout.strip()) == target / "outbox" / "_migrations" / "versions"
+    return Path(probe.stdout.strip())
+
+
+def test_wheel_ships_the_migrations(tmp_path):
+    wheel = build_wheel(ROOT, tmp_path)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert names >= SHIPPED
+    assert "outbox/py.typed" in names
+    assert "relay/py.typed" in names
+    assert not any(n.startswith(("tests/", "examples/", "migrations/")) for n in names)
+    target = tmp_path / "site"
+    versions = installed_versions_dir(wheel, target)
+    assert versions == target / "outbox" / "_migrations" / "versions"
+    assert {p.name for p in versions.glob("*.py")} == {
+        p.name for p in migrations.versions_dir().glob("*.py")
+    }
+
+
+def test_sdist_ships_the_migrations_and_builds_a_wheel_with_them(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from hatchling.build import build_sdist; build_sdist({str(tmp_path)!r})",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    (sdist,) = tmp_path.glob("sqlalchemy_outbox-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    assert names >= SHIPPED
+    assert not any(n.startswith("migrations/") for n in names)
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    wheel = build_wheel(unpacked, tmp_path / "from-sdist")
+    assert set(zipfile.ZipFile(wheel).namelist()) >= SHIPPED
+    versions = installed_versions_dir(wheel, tmp_path / "site")
+    assert (versions / "0002_outbox_send_budget.py").is_file()
+
+
+def test_an_async_engine_gets_a_type_error_saying_what_to_pass(backend):
+    async def main() -> None:
+        engine = create_async_engine(backend.async_url)
+        try:
+            for fn in (migrations.upgrade, migrations.downgrade, migrations.current_heads):
+                for bind in (engine, engine.sync_engine):
+                    with pytest.raises(TypeError, match=r"synchronous.*conn\.run_sync\("):
+                        fn(bind)
+            if backend.name != "postgresql":  # postgresql+psycopg is a sync URL as well
+                with pytest.raises(TypeError, match="URL of the async driver"):
+                    migrations.upgrade(backend.async_url)
+            with pytest.raises(TypeError, match="takes a sqlalchemy Engine, a Connection or"):
+                migrations.upgrade(None)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+
+
+def test_an_async_engine_migrates_through_run_sync_as_the_error_says(backend):
+    """The TypeError's advice, followed: down and up again on the async driver's connection."""
+
+    async def main() -> tuple[set[str], set[str]]:
+        engine = create_async_engine(backend.async_url)
+        try:
+            async with engine.begin() as conn:
+                await conn.run_sync(migrations.downgrade)
+            async with engine.connect() as conn:
+                assert (
+                    await conn.run_sync(lambda c: set(sa.inspect(c).get_table_names())) & TABLES
+                    == set()
+                )
+            async with engine.begin() as conn:
+                await conn.run_sync(migrations.upgrade)
+            async with engine.connect() as conn:
+                return await conn.run_sync(migrations.current_heads)
+        finally:
+            await engine.dispose()
+
+    applied, heads = asyncio.run(main())
+    assert applied == heads
+    assert outbox_tables(backend.engine) == (TABLES, set(migrations.VIEWS))

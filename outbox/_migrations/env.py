@@ -6,7 +6,7 @@ uses alembic does not need this file: it adds the versions directory to its own
 """
 
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import Connection, create_engine, pool
 
 from outbox.schema import metadata
 
@@ -40,7 +40,7 @@ def run_migrations_online() -> None:
     engine.dispose()
 
 
-def _run(connection):  # type: ignore[no-untyped-def]
+def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=metadata,

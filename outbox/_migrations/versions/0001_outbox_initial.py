@@ -6,6 +6,7 @@ Create Date: 2026-11-29
 """
 
 from collections.abc import Sequence
+from datetime import datetime
 
 import sqlalchemy as sa
 from alembic import op
@@ -29,11 +30,11 @@ STATUSES = (
 CLAIMABLE = "status IN ('pending', 'retrying')"
 
 
-def _ts() -> sa.types.TypeEngine:
+def _ts() -> sa.types.TypeEngine[datetime]:
     return sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 
 
-def _id() -> sa.types.TypeEngine:
+def _id() -> sa.types.TypeEngine[int]:
     return sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 

@@ -1,0 +1,369 @@
+"""A new app's alembic, set up exactly as README.md says, on every backend.
+
+A real ``alembic init`` project in a temporary directory, driven through the venv's ``alembic``
+executable in subprocesses. The settings, the env.py lines and the commands are taken from the
+README's "Inside your app's alembic" section itself, so what the README tells a user is what
+runs here. The project starts on a copy of the installed ``outbox`` package that holds only the
+first outbox revision (an older release), then switches to the real install (``pip install
+-U``): its new revision must arrive through a plain ``alembic upgrade heads``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+import outbox
+from outbox import migrations
+
+ROOT = Path(__file__).resolve().parents[2]
+ALEMBIC = str(Path(sys.executable).with_name("alembic"))
+FIRST_RELEASE = "0001_outbox_initial.py"
+TABLES_0001 = {"outbox_messages", "outbox_attempts", "outbox_relays"}
+TABLES_0002 = {"outbox_send_budget", "outbox_send_budget_lock"}
+
+MODELS = """\
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "shop_orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    customer: Mapped[str] = mapped_column(sa.String(255))
+"""
+
+LATER_MODEL = """
+
+class OrderLine(Base):
+    __tablename__ = "shop_order_lines"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    order_id: Mapped[int] = mapped_column(sa.ForeignKey("shop_orders.id"))
+"""
+
+
+# -- the README's instructions ---------------------------------------------------------------
+
+
+def readme_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("**Inside your app's alembic**")
+    return text[start : text.index("\n## ", start)]
+
+
+def code_blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", readme_section(), flags=re.DOTALL)
+
+
+def ini_settings() -> dict[str, list[str]]:
+    """The README's alembic.ini settings: each key with its lines (continuations included)."""
+    (block,) = code_blocks("ini")
+    settings: dict[str, list[str]] = {}
+    key = None
+    for line in block.splitlines():
+        if not line.strip() or line.lstrip().startswith("#") or line.startswith("["):
+            continue
+        if line[0].isspace():
+            assert key is not None, line
+            settings[key].append(line)
+        else:
+            key = line.split("=")[0].strip()
+            settings[key] = [line]
+    return settings
+
+
+def env_lines() -> tuple[list[str], list[str]]:
+    """The README's env.py additions: import lines, and keyword arguments of context.configure."""
+    (block,) = code_blocks("python")
+    imports = [line for line in block.splitlines() if line.startswith(("from ", "import "))]
+    kwargs = re.findall(r"^\s+(\w+=\w+),\s*$", block, flags=re.MULTILINE)
+    assert imports, block
+    assert kwargs, block
+    return imports, kwargs
+
+
+def readme_commands() -> list[list[str]]:
+    (block,) = code_blocks("bash")
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    return [shlex.split(line) for line in lines if line]
+
+
+# -- the app's project -------------------------------------------------------------------------
+
+
+class Project:
+    """An ``alembic init`` project of a small app, run as its developer runs it."""
+
+    def __init__(self, root: Path, url: str) -> None:
+        self.root = root
+        self.url = url
+        self.pythonpath: str | None = None
+        root.mkdir()
+        self.alembic("init", "alembic")
+        (root / "shop").mkdir()
+        (root / "shop" / "__init__.py").write_text("")
+        (root / "shop" / "models.py").write_text(MODELS)
+
+    @property
+    def versions(self) -> Path:
+        return self.root / "alembic" / "versions"
+
+    def alembic(self, *args: str) -> str:
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        if self.pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [self.pythonpath, env.get("PYTHONPATH")])
+            )
+        done = subprocess.run(
+            [ALEMBIC, *args],
+            cwd=self.root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, f"alembic {' '.join(args)}:\n{done.stdout}{done.stderr}"
+        return done.stdout + done.stderr
+
+    def configure_as_the_readme_says(self, *, hooks: bool = True) -> None:
+        ini = self.root / "alembic.ini"
+        lines = ini.read_text().splitlines()
+        for key, setting in ini_settings().items():
+            lines = set_option(lines, key, setting)
+        lines = set_option(lines, "sqlalchemy.url", [f"sqlalchemy.url = {self.url_for_ini}"])
+        ini.write_text("\n".join(lines) + "\n")
+
+        env_py = self.root / "alembic" / "env.py"
+        source = env_py.read_text()
+        source = source.replace(
+            "target_metadata = None",
+            "from shop.models import Base\ntarget_metadata = Base.metadata",
+        )
+        imports, kwargs = env_lines()
+        if not hooks:  # the README's set-up without process_revision_directives
+            imports = ["from outbox.migrations import include_object"]
+            kwargs = [k for k in kwargs if k.startswith("include_object")]
+        source = source.replace(
+            "from alembic import context\n",
+            "from alembic import context\n" + "\n".join(imports) + "\n",
+        )
+        calls = re.findall(r"context\.configure\(\n(\s+)", source)
+        assert len(calls) == 2, "alembic init's env.py has an offline and an online configure"
+        source = re.sub(
+            r"context\.configure\(\n(\s+)",
+            lambda m: "context.configure(\n" + "".join(f"{m[1]}{k},\n" for k in kwargs) + m[1],
+            source,
+        )
+        env_py.write_text(source)
+
+    @property
+    def url_for_ini(self) -> str:
+        return self.url.replace("%", "%%")
+
+    def add_later_model(self) -> None:
+        with (self.root / "shop" / "models.py").open("a") as f:
+            f.write(LATER_MODEL)
+
+    def new_revisions(self, known: set[Path]) -> list[Path]:
+        """The revision files written since ``known``: exactly one is expected each time, here
+        in the app's own versions directory (not in the outbox package's)."""
+        return sorted(set(self.versions.glob("*.py")) - known)
+
+
+def set_option(lines: list[str], key: str, setting: list[str]) -> list[str]:
+    """Put ``setting`` where alembic init has ``key`` (set, or as a commented-out example), as
+    the README tells: change that line rather than add a second one. A key that alembic init
+    does not mention at all goes right after ``[alembic]``."""
+    pattern = re.compile(rf"^(# )?{re.escape(key)} =")
+    found = [i for i, line in enumerate(lines) if pattern.match(line)]
+    if found:
+        at = found[-1]
+        end = at + 1
+        while end < len(lines) and lines[end][:1].isspace() and lines[end].strip():
+            end += 1
+        return [*lines[:at], *setting, *lines[end:]]
+    at = lines.index("[alembic]") + 1
+    return [*lines[:at], *setting, *lines[at:]]
+
+
+# -- the database --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def app_url(backend, tmp_path) -> Iterator[str]:
+    """An empty database of the backend's kind, next to the backend's test database."""
+    if backend.name == "sqlite":
+        yield f"sqlite:///{tmp_path / 'app.db'}"
+        return
+    url = sa.make_url(backend.url)
+    name = f"{url.database}_alembic_app"
+    server = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    force = " WITH (FORCE)" if backend.name == "postgresql" else ""
+    with server.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}{force}")
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    yield url.set(database=name).render_as_string(hide_password=False)
+    with server.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}{force}")
+    server.dispose()
+
+
+def schema(url: str) -> tuple[set[str], set[str], set[str]]:
+    """(tables, views, alembic_version rows) of the app's database."""
+    engine = sa.create_engine(url)
+    try:
+        inspector = sa.inspect(engine)
+        tables = set(inspector.get_table_names())
+        views = set(inspector.get_view_names())
+        versions: set[str] = set()
+        if "alembic_version" in tables:
+            with engine.connect() as conn:
+                versions = {
+                    r[0] for r in conn.exec_driver_sql("SELECT version_num FROM alembic_version")
+                }
+        return tables, views, versions
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def older_release(tmp_path) -> Path:
+    """A copy of the installed ``outbox`` package that ships only the first outbox revision: the
+    release the app started on. Put first on PYTHONPATH, it is the installed package."""
+    site = tmp_path / "older-release"
+    shutil.copytree(
+        Path(outbox.__file__).parent, site / "outbox", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    for revision in (site / "outbox" / "_migrations" / "versions").glob("*.py"):
+        if revision.name != FIRST_RELEASE:
+            revision.unlink()
+    return site
+
+
+@pytest.fixture
+def shipped_revisions() -> Iterator[None]:
+    """The app's revisions must never land in the installed package's versions directory."""
+    before = sorted(migrations.versions_dir().glob("*.py"))
+    yield
+    assert sorted(migrations.versions_dir().glob("*.py")) == before
+
+
+# -- the tests -----------------------------------------------------------------------------
+
+
+def test_readme_instructions_change_existing_lines_of_alembic_init(tmp_path):
+    """The README says which lines of alembic init's alembic.ini to change: they are there."""
+    project = Project(tmp_path / "app", "sqlite://")
+    ini = (project.root / "alembic.ini").read_text().splitlines()
+    settings = ini_settings()
+    assert set(settings) == {"path_separator", "revision_environment", "version_locations"}
+    assert "path_separator = os" in ini  # set: the README changes it (adding it again fails)
+    assert "# revision_environment = false" in ini  # commented out: the README sets it
+    assert not [line for line in ini if line.startswith("version_locations")]
+    section = readme_section()
+    assert 'change "path_separator = os"' in section
+    assert 'change "# revision_environment = false"' in section
+
+
+def test_new_app_alembic_from_readme_then_an_outbox_upgrade(
+    app_url, tmp_path, older_release, shipped_revisions
+):
+    """The README's set-up and commands, word for word, on a fresh alembic init project."""
+    project = Project(tmp_path / "app", app_url)
+    project.configure_as_the_readme_says()
+    commands = readme_commands()
+    assert [c[:2] for c in commands] == [
+        ["alembic", "upgrade"],
+        ["alembic", "revision"],
+        ["alembic", "upgrade"],
+        ["alembic", "check"],
+    ]
+    upgrade, revision, _, check = (c[1:] for c in commands)
+
+    # An app on the older release: the outbox tables and views of 0001 arrive.
+    project.pythonpath = str(older_release)
+    assert "outbox_0001 (outbox) (head)" in project.alembic("heads")
+    project.alembic(*upgrade)
+    tables, views, versions = schema(app_url)
+    assert tables >= TABLES_0001
+    assert not tables & TABLES_0002
+    assert views >= migrations.VIEWS
+    assert versions == {"outbox_0001"}
+
+    # The app's first autogenerated revision: its table only, on a branch of its own.
+    project.alembic(*revision)
+    (first,) = project.new_revisions(set())
+    text = first.read_text()
+    assert "op.create_table('shop_orders'" in text
+    assert "outbox" not in text  # neither drops nor creates ours, nor joins our branch
+    assert re.search(r"^down_revision: .* = None$", text, flags=re.MULTILINE), text
+    project.alembic(*upgrade)
+    tables, _, versions = schema(app_url)
+    assert "shop_orders" in tables
+    first_id = first.name.split("_")[0]
+    assert versions == {"outbox_0001", first_id}
+    assert "No new upgrade operations detected" in project.alembic(*check)
+
+    # pip install -U: the real install ships 0002; a plain upgrade heads applies it.
+    project.pythonpath = None
+    assert "outbox_0002 (outbox) (head)" in project.alembic("heads")
+    project.alembic(*upgrade)
+    tables, _, versions = schema(app_url)
+    assert tables >= TABLES_0001 | TABLES_0002
+    assert versions == {"outbox_0002", first_id}
+    assert "No new upgrade operations detected" in project.alembic(*check)
+
+    # A later app revision, with the same command: on top of the app's first, not of ours.
+    project.add_later_model()
+    project.alembic(*revision)
+    (later,) = project.new_revisions({first})
+    text = later.read_text()
+    assert "op.create_table('shop_order_lines'" in text
+    assert "outbox" not in text
+    assert f"down_revision: Union[str, Sequence[str], None] = '{first_id}'" in text
+    project.alembic(*upgrade)
+    assert "No new upgrade operations detected" in project.alembic(*check)
+
+    # A plain `alembic revision -m` (no autogenerate) lands on the app's head too.
+    project.alembic("revision", "-m", "by hand")
+    (by_hand,) = project.new_revisions({first, later})
+    later_id = later.name.split("_")[0]
+    assert f"= '{later_id}'" in by_hand.read_text()
+
+
+def test_readme_flags_for_an_env_py_without_the_revision_hook(tmp_path, shipped_revisions):
+    """The README's explicit flags do what the hook does, for an env.py without it."""
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    project = Project(tmp_path / "app", url)
+    project.configure_as_the_readme_says(hooks=False)
+    section = " ".join(readme_section().split())
+    first_flags = re.search(r"`(--head base --version-path [^`]+)`", section)
+    later_flags = re.search(r"`(--head \w+@head)`", section)
+    assert first_flags
+    assert later_flags
+    project.alembic("upgrade", "heads")
+    assert schema(url)[0] >= TABLES_0001 | TABLES_0002
+    project.alembic("revision", "--autogenerate", "-m", "orders", *first_flags[1].split())
+    (first,) = project.new_revisions(set())
+    assert re.search(r"^down_revision: .* = None$", first.read_text(), flags=re.MULTILINE)
+    project.alembic("upgrade", "heads")
+    project.add_later_model()
+    project.alembic("revision", "--autogenerate", "-m", "lines", *later_flags[1].split())
+    (later,) = project.new_revisions({first})
+    assert f"= '{first.name.split('_')[0]}'" in later.read_text()
+    project.alembic("upgrade", "heads")
+    assert "No new upgrade operations detected" in project.alembic("check")
