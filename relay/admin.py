@@ -11,6 +11,7 @@ import contextlib
 import getpass
 import json
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -21,7 +22,7 @@ import sqlalchemy as sa
 
 from outbox.schema import Status, utcnow
 from relay import store
-from relay.cli_options import database_url, open_engine, option
+from relay.cli_options import database_url, first_line, open_database, option
 from relay.clock import read_database_time
 from relay.formats import plain, utc_iso
 
@@ -140,12 +141,13 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 @contextlib.contextmanager
 def _database(url: str) -> Iterator[sa.Engine]:
-    """The engine for one command; a database error ends the command with one line."""
-    engine = open_engine(url)
+    """The engine for one command, connected and its schema checked (a start-up problem is
+    one line, exit code 2); a database error later ends the command with one line."""
+    engine = open_database(url)
     try:
         yield engine
     except sa.exc.DBAPIError as exc:
-        raise click.ClickException(f"database error: {exc.orig}") from None
+        raise click.ClickException(f"database error: {first_line(exc)}") from None
     finally:
         engine.dispose()
 
@@ -344,49 +346,136 @@ def _fields(flt: store.Filter) -> dict[str, Any]:
     return {name: getattr(flt, name) for name in store.Filter.__dataclass_fields__}
 
 
+CHANGE_BATCH = 500  # rows per transaction of requeue and cancel: short locks, few round trips
+
+
+def _show_progress() -> bool:
+    """A progress bar only on a terminal: pipes, logs and ``--json`` readers get the result."""
+    return sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
+    """``advance(n)`` for a bulk change: a bar on stderr when it is a terminal, else nothing."""
+    if not _show_progress() or total == 0:
+        yield lambda n: None
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield bar.update
+
+
+class _Interrupted(click.ClickException):
+    """A bulk change stopped part way (Ctrl-C or a database error): what was done, what not."""
+
+
 def _change(
     database_url: str,
     ids: Sequence[int],
     filters: dict[str, Any],
     yes: bool,
     reason: str | None,
+    as_json: bool,
     *,
     verb: str,
     done_as: str,
     allowed: Sequence[str],
-    apply: Callable[..., bool],
+    apply: Callable[..., list[int]],
 ) -> None:
-    """Apply ``apply`` to the chosen messages; ``done_as`` is the past tense that the output
-    and the operator's attempt rows use (the status's own spelling: ``cancelled``)."""
+    """Apply ``apply`` to the chosen messages, ``CHANGE_BATCH`` ids per transaction (each
+    batch's rows and their operator attempt rows commit together); ``done_as`` is the past
+    tense that the output and the attempt rows use (the status's own spelling: ``cancelled``).
+    """
     if ids and any(filters.values()):
         raise click.UsageError("give message ids or filters, not both")
     if not ids and not any(filters.values()):
         raise click.UsageError(f"give the ids to {verb}, or filters (with --yes)")
     flt = _filter(**filters)
-    with _database(database_url) as engine, engine.begin() as conn:
-        chosen = _select(conn, ids, flt, allowed, verb)
+    with _database(database_url) as engine:
+        with engine.connect() as conn:
+            chosen = sorted(set(_select(conn, ids, flt, allowed, verb)))
         if not ids and not yes:
             raise click.UsageError(f"{len(chosen)} messages match; add --yes to {verb} them all")
-        now = read_database_time(conn)  # requeued rows are due by the relays' clock
-        done = [i for i in chosen if apply(conn, message_id=i, now=now)]
-        store.record_attempts(
-            conn,
-            (
-                store.AttemptRecord(
-                    message_id=i,
-                    claim_token=None,
-                    relay_id=_operator(),
-                    started_at=None,
-                    finished_at=now,
-                    outcome=done_as,
-                    error_message=reason,
-                )
-                for i in done
-            ),
+        done = _in_batches(engine, chosen, reason, verb=verb, done_as=done_as, apply=apply)
+    left = sorted(set(chosen) - set(done))
+    if as_json:
+        click.echo(
+            _json(
+                {
+                    "command": verb,
+                    "matched": len(chosen),
+                    done_as: len(done),
+                    "moved_meanwhile": len(left),
+                    f"{done_as}_ids": done,
+                    "moved_meanwhile_ids": left,
+                }
+            )
         )
-    skipped = len(chosen) - len(done)
-    tail = f" ({skipped} moved meanwhile and were left alone)" if skipped else ""
+        return
+    tail = f" ({len(left)} moved meanwhile and were left alone)" if left else ""
     click.echo(f"{done_as} {len(done)} message(s){tail}")
+
+
+def _in_batches(
+    engine: sa.Engine,
+    chosen: Sequence[int],
+    reason: str | None,
+    *,
+    verb: str,
+    done_as: str,
+    apply: Callable[..., list[int]],
+) -> list[int]:
+    """The ids changed, batch by batch in id order. Stopped part way, it says how far it got:
+    the batches before are committed, the rest unchanged, so running it again finishes it."""
+    done: list[int] = []
+    reached = 0  # how many of ``chosen`` the committed batches covered
+    operator = _operator()
+    try:
+        with _progress(len(chosen), f"{verb} {len(chosen)} message(s)") as advance:
+            for start in range(0, len(chosen), CHANGE_BATCH):
+                batch = chosen[start : start + CHANGE_BATCH]
+                with engine.begin() as conn:
+                    now = read_database_time(conn)  # requeued rows are due by the relays' clock
+                    changed = apply(conn, ids=batch, now=now)
+                    store.record_attempts(
+                        conn,
+                        (_operator_attempt(i, now, operator, done_as, reason) for i in changed),
+                    )
+                done += changed
+                reached = start + len(batch)
+                advance(len(batch))
+    except (KeyboardInterrupt, sa.exc.DBAPIError) as exc:
+        why = _why_stopped(exc)
+        upto = f" (every id up to {chosen[reached - 1]})" if reached else ""
+        raise _Interrupted(
+            f"{why}: {done_as} {len(done)} of {len(chosen)} message(s){upto}, the others are "
+            f"unchanged; {verb} them by running the command again"
+        ) from None
+    return done
+
+
+def _why_stopped(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"database error: {first_line(exc)}"
+
+
+def _operator_attempt(
+    message_id: int, now: datetime, operator: str, done_as: str, reason: str | None
+) -> store.AttemptRecord:
+    return store.AttemptRecord(
+        message_id=message_id,
+        claim_token=None,
+        relay_id=operator,
+        started_at=None,
+        finished_at=now,
+        outcome=done_as,
+        error_message=reason,
+    )
+
+
+_as_json = click.option(
+    "--json", "as_json", is_flag=True, help="Machine-readable result (counts and ids)."
+)
 
 
 @click.command()
@@ -395,21 +484,24 @@ def _change(
 @_filters
 @click.option("--reason", help="Why: recorded with the message's attempts.")
 @click.option("--yes", is_flag=True, help="Confirm a bulk requeue (filters instead of ids).")
+@_as_json
 def requeue(
-    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, **filters: Any
-) -> None:
+    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, as_json: bool,
+    **filters: Any,
+) -> None:  # fmt: skip
     """Send unknown_outcome or failed messages again: back to pending, due now, with a fresh
     attempt budget.
 
     For unknown_outcome, first check with SES (CloudWatch, event destinations, the provider
     ids in `outbox-relay show ID`) that the first send did not arrive: requeue sends again.
+    Changes 500 messages per transaction; a progress bar shows on a terminal.
     """
     _change(
-        database_url, ids, filters, yes, reason,
+        database_url, ids, filters, yes, reason, as_json,
         verb="requeue",
         done_as="requeued",
         allowed=(Status.UNKNOWN_OUTCOME.value, Status.FAILED.value),
-        apply=store.requeue,
+        apply=store.requeue_many,
     )  # fmt: skip
 
 
@@ -419,18 +511,36 @@ def requeue(
 @_filters
 @click.option("--reason", help="Why: recorded with the message's attempts.")
 @click.option("--yes", is_flag=True, help="Confirm a bulk cancel (filters instead of ids).")
+@_as_json
 def cancel(
-    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, **filters: Any
-) -> None:
+    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, as_json: bool,
+    **filters: Any,
+) -> None:  # fmt: skip
     """Cancel pending or retrying messages so they are never sent (a message being sent right
-    now cannot be cancelled)."""
+    now cannot be cancelled). Changes 500 messages per transaction; a progress bar shows on a
+    terminal."""
     _change(
-        database_url, ids, filters, yes, reason,
+        database_url, ids, filters, yes, reason, as_json,
         verb="cancel",
         done_as="cancelled",
         allowed=(Status.PENDING.value, Status.RETRYING.value),
-        apply=store.cancel,
+        apply=store.cancel_many,
     )  # fmt: skip
+
+
+def _span(value: timedelta) -> str:
+    """A duration in the largest unit that states it exactly: ``30 days``, ``36 hours``."""
+    seconds = value.total_seconds()
+    for unit, size in (("week", 604800), ("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            count = int(seconds // size)
+            return f"{count} {unit}{'s' if count != 1 else ''}"
+    count_s = f"{seconds:g}"
+    return f"{count_s} second{'' if count_s == '1' else 's'}"
+
+
+def _prunable(cutoff: datetime) -> store.Filter:
+    return store.Filter(statuses=store.PRUNABLE, created_before=cutoff, changed_before=cutoff)
 
 
 @click.command()
@@ -458,38 +568,78 @@ def cancel(
     help="Rows deleted per transaction.",
 )
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Machine-readable result (counts, cutoff, clamping)."
+)
 def prune(
     database_url: str, older_than: timedelta, dedup_window: timedelta, batch_size: int,
-    dry_run: bool,
+    dry_run: bool, as_json: bool,
 ) -> None:  # fmt: skip
     """Delete finished messages (sent, failed, cancelled, expired) and their attempts.
 
     Pruning a message forgets its idempotency key, so the same key could be enqueued and sent
-    again: messages younger than --dedup-window are never pruned, whatever --older-than says.
-    unknown_outcome messages are never pruned. Deletes in batches of --batch-size, each its own
-    short transaction.
+    again: messages younger than --dedup-window are never pruned, whatever --older-than says
+    (a line on stderr says so when it clamps). unknown_outcome messages are never pruned.
+    Deletes in batches of --batch-size, each its own short transaction; a progress bar shows
+    on a terminal.
     """
-    total = 0
+    clamped = older_than < dedup_window
     with _database(database_url) as engine:
+        if clamped:
+            click.echo(
+                f"--older-than {_span(older_than)} is inside the dedup window "
+                f"({_span(dedup_window)}): pruning messages older than {_span(dedup_window)} "
+                "instead",
+                err=True,
+            )
         with engine.connect() as conn:
             cutoff = read_database_time(conn) - max(older_than, dedup_window)
-        if dry_run:
-            with engine.connect() as conn:
-                total = store.count_messages(
-                    conn,
-                    store.Filter(
-                        statuses=store.PRUNABLE, created_before=cutoff, changed_before=cutoff
-                    ),
-                )
-            click.echo(f"would delete {total} message(s) created before {cutoff:%Y-%m-%d %H:%M}")
-            return
-        while True:
-            with engine.begin() as conn:
-                deleted = store.prune_batch(conn, before=cutoff, limit=batch_size)
-            total += deleted
-            if deleted < batch_size:
-                break
-    click.echo(f"deleted {total} message(s) created before {cutoff:%Y-%m-%d %H:%M} UTC")
+            matched = (
+                store.count_messages(conn, _prunable(cutoff))
+                if dry_run or _show_progress()
+                else None
+            )
+        deleted = 0 if dry_run else _prune_batches(engine, cutoff, batch_size, matched or 0)
+    if as_json:
+        counts = {"would_delete": matched} if dry_run else {"deleted": deleted}
+        click.echo(
+            _json(
+                {
+                    "command": "prune",
+                    "dry_run": dry_run,
+                    **counts,
+                    "cutoff": cutoff,
+                    "older_than_seconds": older_than.total_seconds(),
+                    "dedup_window_seconds": dedup_window.total_seconds(),
+                    "clamped_to_dedup_window": clamped,
+                }
+            )
+        )
+    elif dry_run:
+        click.echo(f"would delete {matched} message(s) created before {_text(cutoff)}")
+    else:
+        click.echo(f"deleted {deleted} message(s) created before {_text(cutoff)}")
+
+
+def _prune_batches(engine: sa.Engine, cutoff: datetime, batch_size: int, expected: int) -> int:
+    """Delete batch by batch until a batch comes back short; stopped part way, it says how
+    many were deleted (each batch committed on its own; running it again goes on)."""
+    deleted = 0
+    try:
+        with _progress(expected, f"prune {expected} message(s)") as advance:
+            while True:
+                with engine.begin() as conn:
+                    count = store.prune_batch(conn, before=cutoff, limit=batch_size)
+                deleted += count
+                advance(count)
+                if count < batch_size:
+                    return deleted
+    except (KeyboardInterrupt, sa.exc.DBAPIError) as exc:
+        why = _why_stopped(exc)
+        raise _Interrupted(
+            f"{why}: deleted {deleted} message(s) before it stopped; run the command again "
+            "to delete the rest"
+        ) from None
 
 
 COMMANDS = (status, list_, show, requeue, cancel, prune)

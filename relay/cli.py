@@ -12,12 +12,21 @@ from types import FrameType
 from typing import Any, Literal
 
 import click
-from sqlalchemy.exc import OperationalError
+import sqlalchemy as sa
+from alembic.util import CommandError
 
 from outbox import migrations
 from outbox.exceptions import ConfigurationError
 from relay import admin, logs
-from relay.cli_options import database_url, open_engine, option
+from relay.cli_options import (
+    StartupError,
+    check_connection,
+    database_url,
+    first_line,
+    open_engine,
+    option,
+    safe_url,
+)
 from relay.config import RelayConfig
 from relay.http import start_http_server
 from relay.metrics import RelayMetrics
@@ -29,7 +38,24 @@ from relay.worker import Relay
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Commands(click.Group):
+    """The command group, and the one place where what escapes a command becomes one line:
+    a bad setting (:class:`ConfigurationError`) exits 2 naming it, a database error exits 1;
+    neither prints a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigurationError as exc:
+            raise StartupError(str(exc)) from None
+        except sa.exc.DBAPIError as exc:
+            raise click.ClickException(f"database error: {first_line(exc)}") from None
+
+
+@click.group(
+    cls=_Commands,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(package_name="sqlalchemy-outbox")
 def main() -> None:
     """Deliver the outbox, and operate it."""
@@ -56,16 +82,30 @@ def migrate(database_url: str, revision: str) -> None:
     through their own alembic (version_locations) do not need this command.
     """
     engine = open_engine(database_url)
-    safe_url = engine.url.render_as_string(hide_password=True)
+    where = safe_url(engine)
     try:
+        check_connection(engine)
         migrations.upgrade(engine, revision)
         applied, heads = migrations.current_heads(engine)
-    except OperationalError as exc:
-        raise click.ClickException(f"cannot migrate {safe_url}: {exc.orig}") from None
+    except CommandError as exc:
+        raise StartupError(
+            f"--revision {revision!r}: {first_line(exc)}; use 'heads' (the default) or one of "
+            f"{', '.join(_revisions())}"
+        ) from None
+    except sa.exc.DBAPIError as exc:
+        raise click.ClickException(f"cannot migrate {where}: {first_line(exc)}") from None
     finally:
         engine.dispose()
     state = "up to date" if applied == heads else f"at {', '.join(sorted(applied)) or 'base'}"
-    click.echo(f"outbox schema {state} on {safe_url} (revision {', '.join(sorted(applied))})")
+    click.echo(f"outbox schema {state} on {where} (revision {', '.join(sorted(applied))})")
+
+
+def _revisions() -> list[str]:
+    """The revision ids shipped with this release, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(migrations.alembic_config())
+    return [rev.revision for rev in reversed(list(script.walk_revisions()))]
 
 
 class _Rate(click.ParamType[Any]):
@@ -222,11 +262,8 @@ def run(**options: Any) -> None:
     sender_options = {
         name: options.pop(name) for name in list(options) if name.startswith(("ses_", "smtp_"))
     }
-    try:
-        config = RelayConfig(**options)
-        sender = build_sender(config.sender, config, sender_options)
-    except ConfigurationError as exc:
-        raise click.UsageError(str(exc)) from None
+    config = RelayConfig(**options)  # a ConfigurationError is one line (see _Commands)
+    sender = build_sender(config.sender, config, sender_options)
     engine = open_engine(config.database_url)
     relay = Relay(engine=engine, sender=sender, config=config)
     listener = Listener.for_engine(engine, relay.wake)
@@ -235,7 +272,7 @@ def run(**options: Any) -> None:
         try:
             server = start_http_server(relay, RelayMetrics(relay), http_port, http_host)
         except OSError as exc:
-            raise click.UsageError(f"--http-port: cannot listen on {http_port}: {exc}") from None
+            raise StartupError(f"--http-port: cannot listen on {http_port}: {exc}") from None
     signals_seen = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -253,9 +290,7 @@ def run(**options: Any) -> None:
     if listener is not None:
         listener.start()
     try:
-        relay.run()
-    except ConfigurationError as exc:
-        raise click.UsageError(str(exc)) from None
+        relay.run()  # no outbox tables: a ConfigurationError, one line (see _Commands)
     finally:
         if server is not None:
             server.stop()

@@ -10,9 +10,21 @@ import click
 import sqlalchemy as sa
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from relay import store
+from relay.config import URL_FORMS
 from relay.db import make_engine
 
-__all__ = ["database_url", "open_engine", "option"]
+__all__ = [
+    "StartupError",
+    "check_connection",
+    "check_schema",
+    "database_url",
+    "first_line",
+    "open_database",
+    "open_engine",
+    "option",
+    "safe_url",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,9 +44,110 @@ database_url = option(
 )
 
 
+class StartupError(click.ClickException):
+    """What a command needs before it can start is wrong (its URL, driver, database or
+    schema): one ``Error:`` line saying what and what to do, exit code 2, no usage text."""
+
+    exit_code = 2
+
+
+# the URL form and the extra that installs the driver this project is tested with
+_SUPPORTED = {
+    "postgresql": ("postgresql+psycopg", "psycopg", "postgres"),
+    "mysql": ("mysql+pymysql", "pymysql", "mysql"),
+    "mariadb": ("mariadb+pymysql", "pymysql", "mysql"),
+}
+
+
+def first_line(error: BaseException) -> str:
+    """A driver's message without its hints and caret lines (psycopg adds both)."""
+    orig = getattr(error, "orig", None) or error
+    return (str(orig).strip().splitlines() or [type(orig).__name__])[0].strip()
+
+
+def safe_url(engine: sa.Engine) -> str:
+    return engine.url.render_as_string(hide_password=True)
+
+
 def open_engine(url: str) -> sa.Engine:
-    """The relay's engine for ``url``; a bad URL is a usage error naming ``--database-url``."""
+    """The relay's engine for ``url``. It does not connect; a URL that cannot work (malformed,
+    unknown dialect, driver not installed) is a :class:`StartupError` naming the fix."""
     try:
-        return make_engine(url)
-    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
-        raise click.BadParameter(str(exc), param_hint="'--database-url'") from None
+        parsed = sa.make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise StartupError(
+            f"--database-url: not a database URL ({exc}): expected "
+            f"dialect+driver://user:password@host:port/database, such as {URL_FORMS}"
+        ) from None
+    try:
+        return make_engine(parsed)
+    except NoSuchModuleError:
+        raise StartupError(_unknown_dialect(parsed)) from None
+    except ImportError as exc:
+        raise StartupError(_missing_driver(parsed, exc)) from None
+
+
+def _unknown_dialect(url: sa.URL) -> str:
+    backend, _, driver = url.drivername.partition("+")
+    if backend in _SUPPORTED or backend == "sqlite":
+        return f"--database-url: {backend} has no driver named {driver!r}: use {URL_FORMS}"
+    return f"--database-url: unknown database {backend!r}: use {URL_FORMS}"
+
+
+def _missing_driver(url: sa.URL, exc: ImportError) -> str:
+    backend, driver = url.get_backend_name(), url.get_driver_name()
+    why = f"the {driver} driver for {url.drivername}:// is not installed ({exc})"
+    if backend not in _SUPPORTED:
+        return f"--database-url: {why}: install it, or use {URL_FORMS}"
+    form, tested, extra = _SUPPORTED[backend]
+    install = f"pip install 'sqlalchemy-outbox[{extra}]'"
+    if driver == tested:
+        return f"--database-url: {why}: {install}"
+    return f"--database-url: {why}: use {form}://... and {install}"
+
+
+def check_connection(engine: sa.Engine) -> None:
+    """Connect once, so an unreachable database or a refused login is one line at start."""
+    try:
+        with engine.connect():
+            pass
+    except sa.exc.DBAPIError as exc:
+        check = (
+            "its directory must exist and be writable"
+            if engine.dialect.name == "sqlite"
+            else "the database server must be running and accept this login"
+        )
+        raise StartupError(
+            f"cannot connect to {safe_url(engine)}: {first_line(exc)}; check --database-url "
+            f"({check})"
+        ) from None
+
+
+def check_schema(engine: sa.Engine) -> None:
+    """Refuse, before any command reads or writes, a database without the outbox tables."""
+    with engine.connect() as conn:
+        missing = store.missing_tables(conn)
+    if not missing:
+        return
+    what = (
+        "has no outbox schema"
+        if set(missing) == set(store.OUTBOX_TABLES)
+        else f"lacks the outbox tables {', '.join(missing)} (migrated by an older release?)"
+    )
+    raise StartupError(
+        f"the database at {safe_url(engine)} {what}: run `outbox-relay migrate "
+        "--database-url ...` with the same URL first"
+    )
+
+
+def open_database(url: str) -> sa.Engine:
+    """The engine of an operator command: connected once and its schema checked, so every
+    start-up problem is one line with exit code 2 instead of a traceback mid-command."""
+    engine = open_engine(url)
+    try:
+        check_connection(engine)
+        check_schema(engine)
+    except BaseException:
+        engine.dispose()
+        raise
+    return engine

@@ -14,12 +14,15 @@ from sqlalchemy.exc import ArgumentError
 
 from outbox.exceptions import ConfigurationError
 
-__all__ = ["RelayConfig", "default_relay_id"]
+__all__ = ["URL_FORMS", "RelayConfig", "default_relay_id"]
 
 
 def default_relay_id() -> str:
     """``host-pid-xxxx``: unique per process, readable in ``outbox_relays`` and logs."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+URL_FORMS = "postgresql+psycopg://, mysql+pymysql:// or sqlite:///PATH"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,13 +45,15 @@ class RelayConfig:
     def __post_init__(self) -> None:
         try:
             url = sa.make_url(self.database_url)
-        except (ArgumentError, ValueError):
+        except (ArgumentError, ValueError) as exc:  # the URL is not echoed: it may hold a password
             raise ConfigurationError(
-                "--database-url", f"{self.database_url!r} is not a database URL"
+                "--database-url",
+                f"not a database URL ({exc}): expected "
+                f"dialect+driver://user:password@host:port/database, such as {URL_FORMS}",
             ) from None
         if url.get_backend_name() not in ("postgresql", "mysql", "mariadb", "sqlite"):
             raise ConfigurationError(
-                "--database-url", f"unsupported database {url.get_backend_name()!r}"
+                "--database-url", f"unknown database {url.get_backend_name()!r}: use {URL_FORMS}"
             )
         _int("--concurrency", self.concurrency, 1, 1000)
         _int("--batch-size", self.batch_size, 1, 10_000)

@@ -39,10 +39,12 @@ from outbox.schema import (
     send_budget,
     send_budget_lock,
 )
+from outbox.schema import metadata as _outbox_metadata
 from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
 from relay.ratelimit import Booking, merged
 
 __all__ = [
+    "OUTBOX_TABLES",
     "AttemptRecord",
     "Claim",
     "Expired",
@@ -52,6 +54,7 @@ __all__ = [
     "apply_decision",
     "book_sends",
     "cancel",
+    "cancel_many",
     "claim_batch",
     "count_messages",
     "expire",
@@ -66,6 +69,7 @@ __all__ = [
     "lock_send_budget",
     "mark_send_started",
     "message_ids",
+    "missing_tables",
     "prune_batch",
     "prune_send_budget",
     "read_view",
@@ -75,6 +79,7 @@ __all__ = [
     "release_unsent",
     "release_unstarted",
     "requeue",
+    "requeue_many",
     "schedule_retry",
     "send_bookings",
     "statuses_of",
@@ -872,37 +877,58 @@ def expire(conn: sa.Connection, *, now: datetime, limit: int = 1000) -> list[Exp
 # -- operator transitions ----------------------------------------------------------------
 
 
+_REQUEUEABLE = (Status.UNKNOWN_OUTCOME.value, Status.FAILED.value)
+_CANCELLABLE = (Status.PENDING.value, Status.RETRYING.value)
+
+
+def _change_many(
+    conn: sa.Connection, ids: Sequence[int], allowed: Sequence[str], values: dict[str, Any]
+) -> list[int]:
+    """One guarded, set-based UPDATE of the rows among ``ids`` still in an ``allowed`` status;
+    the ids it changed, ascending. RETURNING says which where the database has it; MariaDB
+    locks the rows first (``FOR UPDATE``), so none can move between its SELECT and UPDATE. A
+    relay's claim skips rows locked here (``SKIP LOCKED``) and never waits for them."""
+    if not ids:
+        return []
+    guard = (m.c.id.in_(ids), m.c.status.in_(allowed))
+    if conn.dialect.update_returning:
+        changed = conn.execute(sa.update(m).where(*guard).values(**values).returning(m.c.id))
+        return sorted(changed.scalars())
+    locked = sorted(conn.execute(sa.select(m.c.id).where(*guard).with_for_update()).scalars())
+    if locked:
+        conn.execute(sa.update(m).where(m.c.id.in_(locked), guard[1]).values(**values))
+    return locked
+
+
+def requeue_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
+    """requeue -- unknown_outcome/failed -> pending, due now, with a fresh attempt budget; the
+    ids requeued (the others had moved on)."""
+    values = {
+        **_NO_CLAIM,
+        "status": Status.PENDING.value,
+        "attempt_count": 0,
+        "next_attempt_at": now,
+        "send_started_at": None,
+        "updated_at": now,
+    }
+    return _change_many(conn, ids, _REQUEUEABLE, values)
+
+
+def cancel_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
+    """cancel -- pending/retrying -> cancelled; a row being sent cannot be cancelled. The ids
+    cancelled (the others had been claimed or had moved on)."""
+    values = {"status": Status.CANCELLED.value, "updated_at": now}
+    return _change_many(conn, ids, _CANCELLABLE, values)
+
+
 def requeue(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:
-    """requeue -- unknown_outcome/failed -> pending, due now, with a fresh attempt budget."""
-    stmt = (
-        sa.update(m)
-        .where(
-            m.c.id == message_id,
-            m.c.status.in_([Status.UNKNOWN_OUTCOME.value, Status.FAILED.value]),
-        )
-        .values(
-            **_NO_CLAIM,
-            status=Status.PENDING.value,
-            attempt_count=0,
-            next_attempt_at=now,
-            send_started_at=None,
-            updated_at=now,
-        )
-    )
-    return conn.execute(stmt).rowcount == 1
+    """requeue -- :func:`requeue_many` for one message."""
+    return requeue_many(conn, ids=[message_id], now=now) == [message_id]
 
 
 def cancel(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:
-    """cancel -- pending/retrying -> cancelled; a row being sent cannot be cancelled."""
-    stmt = (
-        sa.update(m)
-        .where(
-            m.c.id == message_id,
-            m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
-        )
-        .values(status=Status.CANCELLED.value, updated_at=now)
-    )
-    return conn.execute(stmt).rowcount == 1
+    """cancel -- :func:`cancel_many` for one message."""
+    return cancel_many(conn, ids=[message_id], now=now) == [message_id]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -1048,6 +1074,15 @@ _VIEW_TYPES: dict[str, dict[str, sa.types.TypeEngine[Any]]] = {
         "heartbeat_age_seconds": _SECONDS,
     },
 }
+
+
+OUTBOX_TABLES = tuple(sorted(_outbox_metadata.tables))
+
+
+def missing_tables(conn: sa.Connection) -> list[str]:
+    """The outbox tables the database lacks (all of them if it was never migrated)."""
+    present = set(sa.inspect(conn).get_table_names())
+    return [name for name in OUTBOX_TABLES if name not in present]
 
 
 def read_view(conn: sa.Connection, name: str) -> list[dict[str, Any]]:
