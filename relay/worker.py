@@ -238,15 +238,12 @@ class Relay:
         # waiting for the database is the loop being alive (for /healthz): a relay started
         # during an outage must not be restarted by its liveness probe for it
         self.loop_at = time.monotonic()
-        while self._with_db(self._check_schema) is None:
-            if self._stopping.wait(self._db_backoff()):  # stopped before the database answered:
-                self._pool.shutdown(wait=False)  # nothing was claimed, nothing is registered
-                self._drop_connection()
-                self.loop_at = None
-                log.info("stopped before the database answered", extra={"action": "stopped"})
+        try:
+            if not self._wait_for_the_database():
                 return
-            self.loop_at = time.monotonic()
-        self._with_db(self._register)
+        except BaseException:  # no outbox tables, the relay id in use: the loop never runs
+            self.loop_at = None
+            raise
         try:
             while not self._stopping.is_set():
                 self.loop_at = time.monotonic()
@@ -265,6 +262,20 @@ class Relay:
             self._with_db(self._deregister)
             self._drop_connection()
             self.loop_at = None
+
+    def _wait_for_the_database(self) -> bool:
+        """Wait for the schema, then register; False if stopped before the database answered
+        (nothing was claimed, nothing is registered)."""
+        while self._with_db(self._check_schema) is None:
+            if self._stopping.wait(self._db_backoff()):
+                self._pool.shutdown(wait=False)
+                self._drop_connection()
+                self.loop_at = None
+                log.info("stopped before the database answered", extra={"action": "stopped"})
+                return False
+            self.loop_at = time.monotonic()
+        self._with_db(self._register)
+        return True
 
     # -- one tick --------------------------------------------------------------------------
 

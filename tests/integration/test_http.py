@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session
 
 from outbox import Category, Email, Outbox
+from outbox.exceptions import ConfigurationError
 from outbox.schema import attempts, messages
 from relay.config import RelayConfig
 from relay.db import CONNECT_TIMEOUT, make_engine
@@ -307,6 +308,22 @@ def test_healthz_passes_while_a_relay_started_during_an_outage_waits_for_its_dat
         engine.dispose()
     assert not thread.is_alive()
     assert errors == [], "a relay stopped before its database answered exits cleanly"
+    assert relay.loop_at is None
+
+
+def test_healthz_fails_once_a_relay_refused_to_start(tmp_path):
+    """A relay whose run() raised before its loop (no outbox tables here; its id in use goes
+    the same way) is not alive: /healthz must not answer 200 for the rest of the stall limit."""
+    url = f"sqlite:///{tmp_path / 'never-migrated.db'}"
+    engine = make_engine(url)
+    relay = make_relay(None, FakeSender(), engine=engine, url=url)
+    try:
+        with serving(relay, stall_seconds=60) as http:
+            with pytest.raises(ConfigurationError, match="lacks the outbox tables"):
+                relay.run()
+            assert http.get("/healthz").status == 503
+    finally:
+        engine.dispose()
     assert relay.loop_at is None
 
 
