@@ -8,7 +8,8 @@ Two ways to create the outbox schema:
 * **Inside the host app's alembic**: in ``alembic.ini`` set ``path_separator = newline`` (in
   place of the ``os`` that ``alembic init`` writes: on POSIX that splits on ``:``, which would
   cut ``outbox:_migrations/versions`` in two) and list ``outbox:_migrations/versions`` after
-  the app's own directory in ``version_locations``; then ``alembic upgrade heads``. The
+  the app's own directory in ``version_locations``, and ``revision_environment = true`` (so a
+  plain ``alembic revision`` runs env.py and its hook); then ``alembic upgrade heads``. The
   revisions carry the branch label ``outbox``. In the app's ``env.py``, pass
   :func:`include_object` (autogenerate and ``alembic check`` ignore the outbox schema) and
   :func:`process_revision_directives` (the app's new revisions go to the app's own directory
@@ -81,7 +82,7 @@ def versions_dir() -> Path:
 def alembic_config(url: str | None = None, *, connection: sa.Connection | None = None) -> Config:
     """An alembic ``Config`` for the standalone environment, bound to a URL or a connection."""
     cfg = Config()
-    cfg.set_main_option("path_separator", "os")
+    cfg.set_main_option("path_separator", "newline")  # a path may hold ':' or ' '; not this
     cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.set_main_option("version_locations", str(versions_dir()))
     cfg.set_main_option("version_table", VERSION_TABLE)
@@ -95,9 +96,10 @@ def alembic_config(url: str | None = None, *, connection: sa.Connection | None =
 def upgrade(bind: sa.Engine | sa.Connection | str, revision: str = "heads") -> None:
     """Apply the outbox migrations to ``bind`` up to ``revision``.
 
-    ``bind`` is an Engine (one transaction, committed), a URL, or a Connection (its open
-    transaction is used and left to the caller to commit). Alembic is synchronous: with an
-    AsyncEngine, ``async with engine.begin() as conn: await conn.run_sync(upgrade)``.
+    ``bind`` is an Engine (one transaction, committed), a URL, or a Connection: inside its
+    open transaction, which the caller commits, or else each revision committed on its own.
+    Alembic is synchronous: with an AsyncEngine,
+    ``async with engine.begin() as conn: await conn.run_sync(upgrade)``.
     """
     _run(bind, command.upgrade, revision, "upgrade")
 

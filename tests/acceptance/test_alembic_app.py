@@ -367,3 +367,32 @@ def test_readme_flags_for_an_env_py_without_the_revision_hook(tmp_path, shipped_
     assert f"= '{first.name.split('_')[0]}'" in later.read_text()
     project.alembic("upgrade", "heads")
     assert "No new upgrade operations detected" in project.alembic("check")
+
+
+def test_the_revision_hook_leaves_an_explicit_head_and_several_app_heads_to_alembic(
+    tmp_path, shipped_revisions
+):
+    """The hook only fills in what the user left to the default: a second app branch asked for
+    with --head base stays a new base, and then a plain revision gets alembic's own error."""
+    project = Project(tmp_path / "app", f"sqlite:///{tmp_path / 'app.db'}")
+    project.configure_as_the_readme_says()
+    project.alembic("upgrade", "heads")
+    project.alembic("revision", "-m", "first")
+    (first,) = project.new_revisions(set())
+    project.alembic(
+        "revision", "-m", "other", "--head", "base", "--version-path", "alembic/versions"
+    )
+    (other,) = project.new_revisions({first})
+    for revision in (first, other):
+        assert re.search(r"^down_revision: .* = None$", revision.read_text(), flags=re.MULTILINE)
+    done = subprocess.run(
+        [ALEMBIC, "revision", "-m", "third"],
+        cwd=project.root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "Multiple heads are present" in done.stderr
+    assert project.new_revisions({first, other}) == []
