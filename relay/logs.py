@@ -186,11 +186,14 @@ class KeyValueFormatter(logging.Formatter):
             "ts": _timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
-            **extra,
-            "msg": record.getMessage(),
-            **tail,
         }
-        return " ".join(f"{_logfmt_key(k)}={logfmt_value(v)}" for k, v in pairs.items())
+        for key, value in extra.items():
+            name = _logfmt_key(key)
+            while name in pairs or name in _RESERVED or name in tail:
+                name += "_"  # two names made safe alike ("a key", "a_key") stay two keys
+            pairs[name] = value
+        pairs.update({"msg": record.getMessage(), **tail})
+        return " ".join(f"{k}={logfmt_value(v)}" for k, v in pairs.items())
 
 
 class JsonFormatter(logging.Formatter):

@@ -278,6 +278,19 @@ def test_text_keys_logfmt_cannot_hold_are_made_safe(relay_logging):
     assert (fields["a_key"], fields["q__k"], fields["tab_key"]) == ("1", "2", "3")
 
 
+def test_text_keys_made_safe_alike_stay_apart(relay_logging):
+    def emit(log):
+        log.info("k", extra={"action": "x", "a_key": 1, "a key": 2, "ms g": 3})
+
+    fields = parse(lines_of("text", emit)[0])  # the strict parser refuses a key given twice
+    assert {k: fields[k] for k in ("a_key", "a_key_", "ms_g", "msg")} == {
+        "a_key": "1",
+        "a_key_": "2",
+        "ms_g": "3",
+        "msg": "k",
+    }
+
+
 def test_a_lone_surrogate_is_written_as_the_replacement_character(relay_logging):
     def emit(log):
         log.info("path %s", "caf\udce9", extra={"action": "x"})
