@@ -251,3 +251,11 @@ def test_show_text_keeps_each_value_on_its_line_with_utc_times(backend, outbox):
     attempt_rows = text.split("attempts (1)\n", 1)[1].splitlines()
     assert len(attempt_rows) == 2, "header and one row: the error did not split the row"
     assert len(TEXT_TIME.findall(attempt_rows[1])) == 2
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_prune_says_its_cutoff_in_utc_with_z(backend, outbox, dry_run):
+    text = cli(backend, "prune", "--older-than", "1d", *(["--dry-run"] if dry_run else []))
+    (moment,) = text_times(text)
+    cutoff = datetime.fromisoformat(moment)  # the 30-day dedup window wins over --older-than
+    assert abs(cutoff - (datetime.now(UTC) - timedelta(days=30))) < timedelta(minutes=5)
