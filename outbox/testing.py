@@ -61,7 +61,15 @@ class EnqueuedMessage:
 
 
 def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedMessage]:
-    """Committed outbox rows with an id above ``after_id``, oldest first."""
+    """Committed outbox rows with an id above ``after_id``, oldest first, read through a
+    connection of their own. ``engine`` is a sync Engine (for an app on an AsyncEngine, one on
+    the same database with a sync driver). On an in-memory SQLite database, whose one
+    connection the app's session may hold inside a transaction, that is refused
+    (:class:`relay.testing.DatabaseInUse`): its uncommitted rows would look committed."""
+    from relay.testing import _require_sync_engine, refuse_held_connection
+
+    _require_sync_engine(engine, "enqueued_messages")
+    refuse_held_connection(engine, "enqueued_messages")
     query = (
         sa.select(
             messages.c.id,
@@ -101,24 +109,42 @@ def outbox_engine() -> sa.Engine:
     )
 
 
+def _prepared(engine: object) -> sa.Engine:
+    """The ``outbox_engine`` fixture's value, checked, and a SQLite file database switched to
+    WAL now, before the test's sessions can hold it (see :func:`relay.testing.run_until_idle`)."""
+    from relay.testing import _require_sync_engine, refuse_held_connection, use_wal
+
+    try:
+        _require_sync_engine(engine, "the outbox_engine fixture")
+    except TypeError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    assert isinstance(engine, sa.Engine)
+    refuse_held_connection(engine, "the outbox fixtures")
+    use_wal(engine)
+    return engine
+
+
 @pytest.fixture
 def outbox_messages(outbox_engine: sa.Engine) -> Callable[[], list[EnqueuedMessage]]:
     """A function returning the outbox rows committed since the test started, oldest first."""
-    if not isinstance(outbox_engine, sa.Engine):
-        raise pytest.UsageError(
-            f"outbox_engine must be a sync sqlalchemy Engine, not {type(outbox_engine).__name__}"
-        )
-    start = _last_id(outbox_engine)
-    return lambda: enqueued_messages(outbox_engine, after_id=start)
+    engine = _prepared(outbox_engine)
+    start = _last_id(engine)
+    return lambda: enqueued_messages(engine, after_id=start)
 
 
 @pytest.fixture
 def outbox_relay(outbox_engine: sa.Engine) -> Callable[..., Any]:
     """A function running the relay in-process until idle (by default against a fresh,
-    accepting :class:`relay.testing.FakeSender`) and returning that sender."""
-    from relay.testing import FakeSender, run_until_idle
+    accepting :class:`relay.testing.FakeSender`) and returning that sender. After
+    ``timeout`` seconds (30 by default) it stops the relay and raises
+    :class:`relay.testing.RelayNotIdle`, saying what was left and why."""
+    from relay.testing import DEFAULT_TIMEOUT, FakeSender, run_until_idle
 
-    def run(sender: FakeSender | None = None, **settings: Any) -> FakeSender:
-        return run_until_idle(outbox_engine, sender, **settings)
+    engine = _prepared(outbox_engine)
+
+    def run(
+        sender: FakeSender | None = None, *, timeout: float = DEFAULT_TIMEOUT, **settings: Any
+    ) -> FakeSender:
+        return run_until_idle(engine, sender, timeout=timeout, **settings)
 
     return run

@@ -32,6 +32,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from blinker import NamedSignal
+from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
 from outbox.exceptions import ConfigurationError
 from outbox.message import Email
@@ -313,7 +314,7 @@ class Relay:
             raise ConfigurationError(
                 "--database-url",
                 f"the database lacks the outbox tables {', '.join(missing)}; "
-                "run `outbox-relay migrate` first",
+                "run `outbox-relay migrate --database-url ...` with the same URL first",
             )
 
     def _exchange(self, now: datetime) -> bool:
@@ -1028,7 +1029,7 @@ class Relay:
                     self._db_clock.sample(conn)  # a new connection may be a new server
                     conn.commit()
             except BaseException:
-                conn.invalidate()
+                _discard(conn)
                 raise
             self._conn = conn
         try:
@@ -1044,7 +1045,7 @@ class Relay:
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
-                conn.invalidate()
+                _discard(conn)
             with contextlib.suppress(Exception):
                 conn.close()
 
@@ -1117,6 +1118,14 @@ class Relay:
             duration=duration,
             outcome=outcome,
         )
+
+
+def _discard(conn: sa.Connection) -> None:
+    """Invalidate ``conn``, so its session settings never go back to the pool; except in a pool
+    of one shared connection (``StaticPool``, ``SingletonThreadPool``: SQLite ``:memory:``, a
+    test's database, not a relay's), where that would destroy the database it holds."""
+    if not isinstance(conn.engine.pool, StaticPool | SingletonThreadPool):
+        conn.invalidate()
 
 
 def _end_idle_transactions(conn: sa.Connection, seconds: float) -> None:

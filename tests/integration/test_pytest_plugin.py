@@ -4,12 +4,18 @@ subprocess that finds the plugin only through the installed entry point."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import sessionmaker
 
 from outbox import Email, Outbox, Status
+from outbox.schema import messages
 from outbox.testing import EnqueuedMessage, enqueued_messages
-from relay.senders import Permanent
-from relay.testing import FakeSender, run_until_idle
+from relay.senders import Disabled, Permanent
+from relay.testing import FakeSender, RelayNotIdle, run_until_idle
 from tests.conftest import User
 
 pytest_plugins = ["pytester"]
@@ -165,3 +171,80 @@ def test_run_until_idle_delivers_with_a_fake_sender_and_returns_it(backend):
     assert sorted(sender.sent_ids) == sorted(m.id for m in enqueued_messages(backend.engine))
     assert sorted(statuses.values()) == [Status.FAILED, Status.SENT]
     assert run_until_idle(backend.engine).sent_ids == []
+
+
+def enqueue_one(engine, key="one"):
+    email = Email(sender="shop@example.com", to=["ada@example.com"], subject="Hi", text="Hi!")
+    with sessionmaker(engine).begin() as session:
+        return Outbox().enqueue(session, email, key=key).id
+
+
+def not_idle_error(engine, **settings):
+    """run_until_idle's error (it must raise one) and the seconds it took."""
+    began = time.monotonic()
+    with pytest.raises(RelayNotIdle) as raised:
+        run_until_idle(engine, **settings)
+    return str(raised.value), time.monotonic() - began
+
+
+@pytest.mark.timeout(60)
+def test_rows_another_transaction_holds_locked_time_out_with_what_to_do(server_backend):
+    """The claim skips locked rows (SKIP LOCKED): the relay went idle, the message unsent."""
+    engine = server_backend.engine
+    enqueue_one(engine)
+    with engine.connect() as holder:
+        holder.execute(sa.select(messages.c.id).with_for_update()).all()
+        message, seconds = not_idle_error(engine, timeout=2)
+        holder.rollback()
+    assert message.startswith("the relay was not idle after 2s: 1 message still due, 0 sends")
+    assert "1 due message locked by another transaction" in message
+    assert "commit it or roll it back before running the relay" in message
+    assert seconds < 15
+    assert len(run_until_idle(engine).sent_ids) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_transaction_holding_the_sqlite_database_times_out_saying_so(backend):
+    engine = backend.engine
+    enqueue_one(engine)
+    with engine.connect() as holder:
+        holder.begin()
+        holder.execute(sa.insert(User).values(email="bob@example.com"))  # the write lock
+        message, seconds = not_idle_error(engine, timeout=2)
+        holder.rollback()
+    assert "The database stayed locked (database is locked" in message
+    assert "a session in the test holds an open transaction; commit it or roll" in message
+    assert seconds < 15
+    assert len(run_until_idle(engine).sent_ids) == 1
+
+
+def test_a_relay_paused_past_the_timeout_says_how_to_let_it_probe(backend):
+    enqueue_one(backend.engine)
+    sender = FakeSender([Disabled(code="AccountSuspended", pause=True)])
+    message, _ = not_idle_error(backend.engine, sender=sender, timeout=1)
+    assert "Sending is paused (AccountSuspended) and probed again every 60s" in message
+    assert "pass a smaller pause_seconds=" in message
+
+
+@pytest.mark.parametrize(
+    ("async_url", "sync_url"),
+    [
+        ("sqlite+aiosqlite:////tmp/app.db", "sqlite:////tmp/app.db"),
+        ("postgresql+psycopg://app:secret@db/shop", "postgresql+psycopg://app:***@db/shop"),
+        ("mysql+aiomysql://app@db/shop", "mysql+pymysql://app@db/shop"),
+    ],
+)
+def test_an_async_engine_is_refused_naming_the_sync_engine_to_create(async_url, sync_url):
+    engine = create_async_engine(async_url)
+    for call, name in (
+        (enqueued_messages, "enqueued_messages"),
+        (run_until_idle, "run_until_idle"),
+    ):
+        with pytest.raises(TypeError) as raised:
+            call(engine)
+        assert str(raised.value) == (
+            f"{name} needs a sync sqlalchemy Engine, not AsyncEngine; for an app on an "
+            f"AsyncEngine, create a sync engine on the same database, e.g. "
+            f"sqlalchemy.create_engine({sync_url!r})"
+        )
