@@ -22,9 +22,14 @@ Then, in a test::
 
 ``outbox_messages()`` only sees rows created after the test started (so leftovers of other
 tests never show up) and only committed ones (it reads through its own connection).
-``outbox_relay(sender=None, **settings)`` returns the :class:`relay.testing.FakeSender` it used;
-pass ``sender=FakeSender(outcomes=[...])`` to script failures. Outside pytest, the same two
-things are :func:`enqueued_messages` and :func:`relay.testing.run_until_idle`.
+``outbox_relay(sender=None, *, timeout=30, **settings)`` returns the
+:class:`relay.testing.FakeSender` it used; pass ``sender=FakeSender(outcomes=[...])`` to script
+failures. Past ``timeout`` it stops the relay and raises :class:`relay.testing.RelayNotIdle`
+saying what was left and why (most often a session of the test left inside a transaction; see
+:func:`relay.testing.run_until_idle` for what is done about it on each database). Outside
+pytest, the same two things are :func:`enqueued_messages` and
+:func:`relay.testing.run_until_idle`. ``outbox_engine`` must be a sync Engine: an app on an
+AsyncEngine creates one on the same database with a sync driver.
 """
 
 from __future__ import annotations
@@ -66,10 +71,10 @@ def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedM
     the same database with a sync driver). On an in-memory SQLite database, whose one
     connection the app's session may hold inside a transaction, that is refused
     (:class:`relay.testing.DatabaseInUse`): its uncommitted rows would look committed."""
-    from relay.testing import _require_sync_engine, refuse_held_connection
+    from relay.testing import _refuse_held_connection, _require_sync_engine
 
     _require_sync_engine(engine, "enqueued_messages")
-    refuse_held_connection(engine, "enqueued_messages")
+    _refuse_held_connection(engine, "enqueued_messages")
     query = (
         sa.select(
             messages.c.id,
@@ -112,15 +117,15 @@ def outbox_engine() -> sa.Engine:
 def _prepared(engine: object) -> sa.Engine:
     """The ``outbox_engine`` fixture's value, checked, and a SQLite file database switched to
     WAL now, before the test's sessions can hold it (see :func:`relay.testing.run_until_idle`)."""
-    from relay.testing import _require_sync_engine, refuse_held_connection, use_wal
+    from relay.testing import _refuse_held_connection, _require_sync_engine, _use_wal
 
     try:
         _require_sync_engine(engine, "the outbox_engine fixture")
     except TypeError as exc:
         raise pytest.UsageError(str(exc)) from None
     assert isinstance(engine, sa.Engine)
-    refuse_held_connection(engine, "the outbox fixtures")
-    use_wal(engine)
+    _refuse_held_connection(engine, "the outbox fixtures")
+    _use_wal(engine)
     return engine
 
 

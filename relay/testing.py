@@ -171,8 +171,12 @@ def run_until_idle(
     from relay.worker import Relay
 
     _require_sync_engine(engine, "run_until_idle")
-    refuse_held_connection(engine, "run_until_idle")
-    use_wal(engine)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(
+            f"run_until_idle: timeout must be a positive number of seconds, not {timeout!r}"
+        )
+    _refuse_held_connection(engine, "run_until_idle")
+    _use_wal(engine)
     _note_held_connections(engine)
     sender = FakeSender() if sender is None else sender
     settings.setdefault("poll_interval", 0.05)
@@ -271,7 +275,7 @@ def _shares_one_connection(engine: sa.Engine) -> bool:
     return isinstance(engine.pool, StaticPool | SingletonThreadPool)
 
 
-def refuse_held_connection(engine: sa.Engine, what: str) -> None:
+def _refuse_held_connection(engine: sa.Engine, what: str) -> None:
     """Raise :class:`DatabaseInUse` if ``engine`` is an in-memory SQLite database whose one
     connection is inside a transaction (the app's session holds it). Reading or running the
     relay beside it is impossible: a second checkout of a ``StaticPool`` connection would roll
@@ -315,7 +319,7 @@ def _note_held_connections(engine: sa.Engine) -> None:
     )
 
 
-def use_wal(engine: sa.Engine) -> None:
+def _use_wal(engine: sa.Engine) -> None:
     """Switch a SQLite file database in a rollback-journal mode to WAL, so that a session left
     inside a read transaction (a SHARED lock) no longer blocks the relay's commits. The mode is
     the file's: it stays WAL. Nothing is done for other databases, for in-memory ones, or if

@@ -248,3 +248,11 @@ def test_an_async_engine_is_refused_naming_the_sync_engine_to_create(async_url, 
             f"AsyncEngine, create a sync engine on the same database, e.g. "
             f"sqlalchemy.create_engine({sync_url!r})"
         )
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "30", True])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_naming_it(timeout):
+    engine = sa.create_engine("sqlite://")
+    with pytest.raises(ValueError, match=r"run_until_idle: timeout must be a positive number"):
+        run_until_idle(engine, timeout=timeout)
+    engine.dispose()
