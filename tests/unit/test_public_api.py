@@ -58,7 +58,7 @@ EXPORTS = {
         "sender_from_env",
     ],
     "relay.worker": ["Relay"],
-    "relay.db": ["READ_COMMITTED", "make_engine"],
+    "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "make_engine"],
     "relay.http": ["Server", "start_http_server"],
     "relay.metrics": ["CLAIM_BUCKETS", "SEND_BUCKETS", "RelayMetrics"],
 }
