@@ -119,6 +119,8 @@ class _App:
 
     def healthz(self) -> tuple[int, str, bytes]:
         loop_at = self.relay.loop_at
+        if loop_at is None:  # before the first pass: alive while it tries to reach the database
+            loop_at = self.relay.waiting_at
         if loop_at is None:
             reason = "stopped" if self.relay.state == "draining" else "starting"
             return _unavailable(reason)

@@ -188,6 +188,8 @@ class Relay:
         self.set_aside = 0  # finished sends that could not be saved (see _save_alone)
         self.state = "running"
         self.loop_at: float | None = None  # monotonic time of the loop's last pass, in run()
+        # monotonic time of the last try to reach the database before the loop's first pass
+        self.waiting_at: float | None = None
 
     # -- control ---------------------------------------------------------------------------
 
@@ -236,15 +238,11 @@ class Relay:
 
         Raises :class:`~outbox.exceptions.ConfigurationError` before sending anything if the
         database has no outbox tables."""
-        # waiting for the database is the loop being alive (for /healthz): a relay started
-        # during an outage must not be restarted by its liveness probe for it
-        self.loop_at = time.monotonic()
         try:
             if not self._wait_for_the_database():
                 return
-        except BaseException:  # no outbox tables, the relay id in use: the loop never runs
-            self.loop_at = None
-            raise
+        finally:  # once the loop runs, or never will (no outbox tables, the relay id in use)
+            self.waiting_at = None
         try:
             while not self._stopping.is_set():
                 self.loop_at = time.monotonic()
@@ -266,15 +264,17 @@ class Relay:
 
     def _wait_for_the_database(self) -> bool:
         """Wait for the schema, then register; False if stopped before the database answered
-        (nothing was claimed, nothing is registered)."""
+        (nothing was claimed, nothing is registered). Each try is a sign of life for
+        ``/healthz`` (``waiting_at``): a relay started during an outage must not be restarted
+        by its liveness probe for it."""
+        self.waiting_at = time.monotonic()
         while self._with_db(self._check_schema) is None:
             if self._stopping.wait(self._db_backoff()):
                 self._pool.shutdown(wait=False)
                 self._drop_connection()
-                self.loop_at = None
                 log.info("stopped before the database answered", extra={"action": "stopped"})
                 return False
-            self.loop_at = time.monotonic()
+            self.waiting_at = time.monotonic()
         self._with_db(self._register)
         return True
 

@@ -308,7 +308,7 @@ def test_healthz_passes_while_a_relay_started_during_an_outage_waits_for_its_dat
         engine.dispose()
     assert not thread.is_alive()
     assert errors == [], "a relay stopped before its database answered exits cleanly"
-    assert relay.loop_at is None
+    assert (relay.loop_at, relay.waiting_at) == (None, None)
 
 
 def test_healthz_fails_once_a_relay_refused_to_start(tmp_path):
@@ -324,7 +324,7 @@ def test_healthz_fails_once_a_relay_refused_to_start(tmp_path):
             assert http.get("/healthz").status == 503
     finally:
         engine.dispose()
-    assert relay.loop_at is None
+    assert (relay.loop_at, relay.waiting_at) == (None, None)
 
 
 def test_a_database_host_that_never_answers_does_not_stall_the_loop_past_its_health():
