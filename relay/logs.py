@@ -3,8 +3,8 @@
 Every relay line carries an ``action`` and, where there is one, a ``message_id``; never a body
 or a credential. Both formats drop any field named ``text``, ``html``, ``body`` or ``payload``
 (a body must never reach a log, even by mistake), and mask the addresses in fields named
-``recipients``, ``recipient``, ``to``, ``cc`` or ``bcc`` (``a***@example.com``) unless
-``log_recipients`` is set; names match in any case, also inside a dict or list value.
+``recipients``, ``recipient``, ``to``, ``cc``, ``bcc``, ``reply_to``, ``sender`` or ``from``
+(``a***@example.com``) unless ``log_recipients`` is set; names match in any case, also inside a dict or list value.
 
 Both formats have one record per line, whatever a message or a traceback holds, and the same
 keys: ``ts`` (ISO 8601 in UTC, ``Z``, milliseconds), ``level``, ``logger``, the extra fields
@@ -30,7 +30,9 @@ __all__ = ["JsonFormatter", "KeyValueFormatter", "configure", "logfmt_value", "m
 
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
 _BODY_FIELDS = frozenset({"text", "html", "body", "payload"})
-_ADDRESS_FIELDS = frozenset({"recipients", "recipient", "to", "cc", "bcc"})
+_ADDRESS_FIELDS = frozenset(
+    {"recipients", "recipient", "to", "cc", "bcc", "reply_to", "reply-to", "sender", "from"}
+)
 _RESERVED = frozenset({"ts", "level", "logger", "msg", "exc", "stack"})
 
 

@@ -169,6 +169,14 @@ def test_bodies_and_addresses_nested_in_a_field_are_dropped_and_masked(relay_log
 
 
 @pytest.mark.parametrize("fmt", ["json", "text"])
+@pytest.mark.parametrize("name", ["reply_to", "Reply-To", "sender", "From"])
+def test_reply_to_and_sender_addresses_are_masked_too(relay_logging, fmt, name):
+    (line,) = lines_of(fmt, lambda log: log.info("m", extra={name: "Alice <alice@example.com>"}))
+    assert "alice" not in line and "Alice" not in line
+    assert "a***@example.com" in line
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
 def test_a_renamed_clashing_extra_never_overwrites_another_field(relay_logging, fmt):
     def emit(log):
         log.warning("m", extra={"ts": "mine", "ts_": "also mine", "level": 1, "level_": 2})
