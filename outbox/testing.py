@@ -71,9 +71,14 @@ def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedM
     the same database with a sync driver). On an in-memory SQLite database, whose one
     connection the app's session may hold inside a transaction, that is refused
     (:class:`relay.testing.DatabaseInUse`): its uncommitted rows would look committed."""
-    from relay.testing import _refuse_held_connection, _require_sync_engine
+    from relay.testing import (
+        _refuse_held_connection,
+        _refuse_private_memory_database,
+        _require_sync_engine,
+    )
 
     _require_sync_engine(engine, "enqueued_messages")
+    _refuse_private_memory_database(engine, "enqueued_messages")
     _refuse_held_connection(engine, "enqueued_messages")
     query = (
         sa.select(
@@ -117,13 +122,19 @@ def outbox_engine() -> sa.Engine:
 def _prepared(engine: object) -> sa.Engine:
     """The ``outbox_engine`` fixture's value, checked, and a SQLite file database switched to
     WAL now, before the test's sessions can hold it (see :func:`relay.testing.run_until_idle`)."""
-    from relay.testing import _refuse_held_connection, _require_sync_engine, _use_wal
+    from relay.testing import (
+        _refuse_held_connection,
+        _refuse_private_memory_database,
+        _require_sync_engine,
+        _use_wal,
+    )
 
     try:
         _require_sync_engine(engine, "the outbox_engine fixture")
-    except TypeError as exc:
+        assert isinstance(engine, sa.Engine)
+        _refuse_private_memory_database(engine, "the outbox_engine fixture")
+    except (TypeError, ValueError) as exc:
         raise pytest.UsageError(str(exc)) from None
-    assert isinstance(engine, sa.Engine)
     _refuse_held_connection(engine, "the outbox fixtures")
     _use_wal(engine)
     return engine

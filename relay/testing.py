@@ -175,6 +175,7 @@ def run_until_idle(
         raise ValueError(
             f"run_until_idle: timeout must be a positive number of seconds, not {timeout!r}"
         )
+    _refuse_private_memory_database(engine, "run_until_idle")
     _refuse_held_connection(engine, "run_until_idle")
     _use_wal(engine)
     _note_held_connections(engine)
@@ -273,6 +274,23 @@ def _shares_one_connection(engine: sa.Engine) -> bool:
     """A pool that hands out one connection to everyone (``StaticPool``) or to each thread
     (``SingletonThreadPool``): SQLite's ``:memory:`` database lives in that connection."""
     return isinstance(engine.pool, StaticPool | SingletonThreadPool)
+
+
+def _refuse_private_memory_database(engine: sa.Engine, what: str) -> None:
+    """A precise ValueError for an in-memory SQLite engine whose pool opens more than one
+    connection (``QueuePool``, ``NullPool``): each connection is a database of its own, so the
+    relay would see no outbox tables, or take the one connection that holds the app's data and
+    close it for good, and the data with it."""
+    url = engine.url
+    private = url.database in (None, "", ":memory:") and not url.query.get("uri")
+    if engine.dialect.name != "sqlite" or not private or _shares_one_connection(engine):
+        return
+    raise ValueError(
+        f"{what}: this in-memory SQLite database lives inside one connection, and the engine's "
+        f"{type(engine.pool).__name__} gives every other connection an empty database of its "
+        "own; create the engine with poolclass=sqlalchemy.pool.StaticPool and "
+        "connect_args={'check_same_thread': False}, or use a file database"
+    )
 
 
 def _refuse_held_connection(engine: sa.Engine, what: str) -> None:

@@ -256,3 +256,30 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_naming_it(timeout):
     with pytest.raises(ValueError, match=r"run_until_idle: timeout must be a positive number"):
         run_until_idle(engine, timeout=timeout)
     engine.dispose()
+
+
+@pytest.mark.parametrize("poolclass", [sa.pool.QueuePool, sa.pool.NullPool])
+def test_an_in_memory_sqlite_engine_with_a_pool_of_many_connections_is_refused(poolclass):
+    """Each connection of such an engine is an empty database of its own: the relay would find
+    no outbox tables, or take the one pooled connection holding the app's rows and close it
+    for good (the app's committed rows gone)."""
+    engine = sa.create_engine("sqlite:///:memory:", poolclass=poolclass)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+        conn.exec_driver_sql("INSERT INTO orders VALUES (42)")
+    for call, name in (
+        (enqueued_messages, "enqueued_messages"),
+        (run_until_idle, "run_until_idle"),
+    ):
+        with pytest.raises(ValueError, match="in-memory SQLite") as raised:
+            call(engine)
+        assert str(raised.value) == (
+            f"{name}: this in-memory SQLite database lives inside one connection, and the "
+            f"engine's {poolclass.__name__} gives every other connection an empty database of "
+            "its own; create the engine with poolclass=sqlalchemy.pool.StaticPool and "
+            "connect_args={'check_same_thread': False}, or use a file database"
+        )
+    if poolclass is sa.pool.QueuePool:  # the connection holding the app's rows is untouched
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT id FROM orders").scalars().all() == [42]
+    engine.dispose()
