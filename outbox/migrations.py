@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 BRANCH = "outbox"
+_APP_BRANCH = "app"  # the branch label process_revision_directives gives an app's first revision
 VERSION_TABLE = "outbox_alembic_version"
 VIEWS = frozenset(
     {
@@ -141,8 +142,10 @@ def process_revision_directives(
     Without it, ``alembic revision`` builds on the only head there is before the app has one
     (``outbox@head``): the app's revision would join the outbox branch and be written into the
     installed package. With it, a revision asked for with the default ``--head head`` is based
-    on the app's own head, or on ``base`` in the app's versions directory for its first one, so
-    plain ``alembic revision --autogenerate -m ...`` does the right thing. An explicit
+    on the app's own head, or on ``base`` in the app's versions directory for its first one
+    (labelled ``app``, so that ``alembic downgrade app@-1`` steps back the app's branch: a bare
+    ``-1`` is alembic's pick of the two), so plain ``alembic revision --autogenerate -m ...``
+    does the right thing. An explicit
     ``--head``/``--version-path`` is left alone; several app heads are left to alembic's own
     "multiple heads" error. An app with a hook of its own calls this one from it.
     """
@@ -166,6 +169,8 @@ def process_revision_directives(
             directive.head = app_heads[0]
         elif not app_heads:
             directive.head = "base"
+            if not directive.branch_label:  # so that `alembic downgrade app@-1` names it
+                directive.branch_label = _APP_BRANCH
             if directive.version_path is None and len(app_locations) == 1:
                 directive.version_path = app_locations[0].as_posix()
 

@@ -396,3 +396,29 @@ def test_the_revision_hook_leaves_an_explicit_head_and_several_app_heads_to_alem
     assert done.returncode != 0
     assert "Multiple heads are present" in done.stderr
     assert project.new_revisions({first, other}) == []
+
+
+def test_the_apps_first_revision_is_labelled_app_so_a_downgrade_can_name_its_branch(
+    tmp_path, shipped_revisions
+):
+    """`alembic downgrade -1` with two branches is alembic's pick and stepped back the outbox's
+    newest revision (dropping the send budget); `app@-1`, as the README says, steps back the
+    app's own revision and leaves the outbox schema alone."""
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    project = Project(tmp_path / "app", url)
+    project.configure_as_the_readme_says()
+    project.alembic("upgrade", "heads")
+    project.alembic("revision", "--autogenerate", "-m", "orders")
+    (first,) = project.new_revisions(set())
+    assert re.search(r"^branch_labels: .* = \('app',\)$", first.read_text(), flags=re.MULTILINE)
+    project.alembic("upgrade", "heads")
+    project.add_later_model()
+    project.alembic("revision", "--autogenerate", "-m", "lines")
+    assert len(project.new_revisions({first})) == 1
+    project.alembic("upgrade", "heads")
+    assert "alembic downgrade app@-1" in " ".join(readme_section().split())
+    project.alembic("downgrade", "app@-1")
+    tables, _, versions = schema(url)
+    assert "shop_order_lines" not in tables
+    assert tables >= TABLES_0001 | TABLES_0002
+    assert versions == {"outbox_0002", first.name.split("_")[0]}
