@@ -4,6 +4,7 @@ the engine they open."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -17,6 +18,7 @@ from relay.db import make_engine
 __all__ = [
     "StartupError",
     "check_connection",
+    "check_file_exists",
     "check_schema",
     "database_url",
     "first_line",
@@ -123,6 +125,21 @@ def check_connection(engine: sa.Engine) -> None:
         ) from None
 
 
+def check_file_exists(engine: sa.Engine) -> None:
+    """Refuse a SQLite file that does not exist, instead of letting the connection create an
+    empty one at a mistyped path (``migrate`` creates it, so it does not call this)."""
+    url = engine.url
+    if engine.dialect.name != "sqlite" or url.database in (None, "", ":memory:"):
+        return
+    if url.query.get("uri") or url.database.startswith("file:"):
+        return  # a SQLite URI filename: its mode and path are the driver's to read
+    if not Path(url.database).exists():
+        raise StartupError(
+            f"the SQLite file {url.database} does not exist: check --database-url, or create "
+            "the schema there with `outbox-relay migrate --database-url ...`"
+        )
+
+
 def check_schema(engine: sa.Engine) -> None:
     """Refuse, before any command reads or writes, a database without the outbox tables."""
     with engine.connect() as conn:
@@ -145,6 +162,7 @@ def open_database(url: str) -> sa.Engine:
     start-up problem is one line with exit code 2 instead of a traceback mid-command."""
     engine = open_engine(url)
     try:
+        check_file_exists(engine)
         check_connection(engine)
         check_schema(engine)
     except BaseException:

@@ -124,10 +124,19 @@ def test_an_unreachable_database_is_one_line(command, url):
     assert "secret" not in line
 
 
+def test_a_missing_sqlite_file_is_refused_not_created(tmp_path):
+    path = tmp_path / "typo.db"
+    for command in ADMIN:
+        line = refusal(cli(command, f"sqlite:///{path}"))
+        assert f"the SQLite file {path} does not exist: check --database-url" in line
+    assert not path.exists()
+
+
 @pytest.fixture
 def empty_url(backend, tmp_path):
     """A database of the backend's kind with no outbox schema, dropped afterwards."""
     if backend.name == "sqlite":
+        (tmp_path / "empty.db").touch()  # an empty file is an empty SQLite database
         yield f"sqlite:///{tmp_path / 'empty.db'}"
         return
     url = sa.make_url(backend.url)
