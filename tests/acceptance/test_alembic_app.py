@@ -422,3 +422,51 @@ def test_the_apps_first_revision_is_labelled_app_so_a_downgrade_can_name_its_bra
     assert "shop_order_lines" not in tables
     assert tables >= TABLES_0001 | TABLES_0002
     assert versions == {"outbox_0002", first.name.split("_")[0]}
+
+
+def test_a_database_migrated_standalone_is_handed_over_to_the_apps_alembic_as_it_says(
+    app_url, tmp_path, shipped_revisions
+):
+    """`outbox-relay migrate` first, the app's alembic later: `alembic upgrade heads` used to
+    fail in the DDL ("table outbox_messages already exists", a traceback); it now stops before
+    creating anything, and the two steps it names hand the schema over."""
+    migrate = subprocess.run(
+        [str(Path(sys.executable).with_name("outbox-relay")), "migrate", "--database-url", app_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    project = Project(tmp_path / "app", app_url)
+    project.configure_as_the_readme_says()
+    done = subprocess.run(
+        [ALEMBIC, "upgrade", "heads"],
+        cwd=project.root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "Traceback" not in output
+    assert (
+        "FAILED: the outbox schema of this database was created by `outbox-relay migrate` (its "
+        "revisions are in outbox_alembic_version: outbox_0002); to carry it on in your alembic, "
+        "run `alembic stamp outbox_0002` and drop the table outbox_alembic_version, then "
+        "`alembic upgrade heads` again"
+    ) in output
+    project.alembic("stamp", "outbox_0002")
+    engine = sa.create_engine(app_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE outbox_alembic_version")
+    engine.dispose()
+    project.alembic("upgrade", "heads")
+    project.alembic("revision", "--autogenerate", "-m", "orders")
+    project.alembic("upgrade", "heads")
+    tables, _, versions = schema(app_url)
+    assert tables >= TABLES_0001 | TABLES_0002 | {"shop_orders"}
+    assert "outbox_alembic_version" not in tables
+    assert "outbox_0002" in versions
+    assert "No new upgrade operations detected" in project.alembic("check")

@@ -10,6 +10,7 @@ from datetime import datetime
 
 import sqlalchemy as sa
 from alembic import op
+from alembic.util import CommandError
 from sqlalchemy.dialects import mysql
 
 revision: str = "outbox_0001"
@@ -38,7 +39,33 @@ def _id() -> sa.types.TypeEngine[int]:
     return sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
+STANDALONE_VERSION_TABLE = "outbox_alembic_version"  # outbox.migrations.VERSION_TABLE
+
+
+def _refuse_a_schema_migrated_standalone() -> None:
+    """In an app's alembic, on a database whose outbox schema ``outbox-relay migrate`` already
+    created: say how to hand it over, instead of failing on "table outbox_messages already
+    exists" half way through the app's upgrade."""
+    context = op.get_context()
+    bind = op.get_bind()
+    if context.version_table == STANDALONE_VERSION_TABLE:
+        return
+    if not sa.inspect(bind).has_table(STANDALONE_VERSION_TABLE):
+        return
+    version = sa.table(STANDALONE_VERSION_TABLE, sa.column("version_num"))
+    applied = sorted(bind.execute(sa.select(version.c.version_num)).scalars())
+    if not applied:
+        return
+    raise CommandError(
+        "the outbox schema of this database was created by `outbox-relay migrate` (its "
+        f"revisions are in {STANDALONE_VERSION_TABLE}: {', '.join(applied)}); to carry it on "
+        f"in your alembic, run `alembic stamp {' '.join(applied)}` and drop the table "
+        f"{STANDALONE_VERSION_TABLE}, then `alembic upgrade heads` again"
+    )
+
+
 def upgrade() -> None:
+    _refuse_a_schema_migrated_standalone()
     op.create_table(
         "outbox_messages",
         sa.Column("id", _id(), sa.Identity(), nullable=False),
