@@ -82,11 +82,24 @@ def open_engine(url: str) -> sa.Engine:
             f"dialect+driver://user:password@host:port/database, such as {URL_FORMS}"
         ) from None
     try:
-        return make_engine(parsed)
+        engine = make_engine(parsed)
     except NoSuchModuleError:
         raise StartupError(_unknown_dialect(parsed)) from None
     except ImportError as exc:
         raise StartupError(_missing_driver(parsed, exc)) from None
+    if engine.dialect.is_async:  # its connect would fail outside an event loop (MissingGreenlet)
+        engine.dispose()
+        raise StartupError(_async_driver(parsed))
+    return engine
+
+
+def _async_driver(url: sa.URL) -> str:
+    backend = url.get_backend_name()
+    form = "sqlite" if backend == "sqlite" else _SUPPORTED.get(backend, (URL_FORMS,))[0]
+    return (
+        f"--database-url: {url.drivername}:// is an async driver; the relay and its commands "
+        f"use a sync one: the same database as {form}://..."
+    )
 
 
 def _unknown_dialect(url: sa.URL) -> str:

@@ -89,6 +89,14 @@ def refusal(done: subprocess.CompletedProcess[str]) -> str:
         ("postgresql://h:port/db", None, ["--database-url: not a database URL", "'port'"]),
         ("oracel://scott@db/orcl", None, ["unknown database 'oracel'", "mysql+pymysql://"]),
         ("postgresql+pg9://h/db", None, ["postgresql has no driver named 'pg9'"]),
+        # the app's own async URL, pasted: its connect fails outside an event loop
+        ("sqlite+aiosqlite:///shop.db", None, ["is an async driver", "as sqlite://"]),
+        (
+            "postgresql+psycopg_async://postgres@127.0.0.1/outbox",
+            None,
+            ["is an async driver", "as postgresql+psycopg://"],
+        ),
+        ("mysql+aiomysql://root@127.0.0.1/outbox", None, ["async driver", "as mysql+pymysql://"]),
     ],
     ids=[
         "mysql-default-driver",
@@ -98,6 +106,9 @@ def refusal(done: subprocess.CompletedProcess[str]) -> str:
         "bad-port",
         "unknown-dialect",
         "unknown-driver",
+        "aiosqlite",
+        "psycopg-async",
+        "aiomysql",
     ],
 )
 def test_an_unusable_url_is_one_line_naming_the_fix(command, url, without, words):
