@@ -10,6 +10,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -23,8 +24,8 @@ log = logging.getLogger("relay")
 class Listener:
     """Calls ``on_notify`` whenever a transaction that enqueued commits."""
 
-    def __init__(self, url: sa.URL, on_notify: Callable[[], None]) -> None:
-        self._conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    def __init__(self, params: dict[str, Any], on_notify: Callable[[], None]) -> None:
+        self._params = params
         self._on_notify = on_notify
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outbox-listen", daemon=True)
@@ -39,7 +40,7 @@ class Listener:
         except ImportError:
             log.info("psycopg not installed: polling only", extra={"action": "no_listen"})
             return None
-        return cls(engine.url, on_notify)
+        return cls(_connect_params(engine), on_notify)
 
     def start(self) -> None:
         self._thread.start()
@@ -53,7 +54,7 @@ class Listener:
         failures = 0
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self._conninfo, autocommit=True) as conn:
+                with psycopg.connect(**self._params, autocommit=True) as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     failures = 0
                     self._on_notify()  # catch up on anything committed while disconnected
@@ -65,3 +66,12 @@ class Listener:
                 delay = min(30.0, 0.5 * 2.0 ** min(failures, 6)) * random.uniform(0.5, 1.0)
                 log.warning("LISTEN connection lost: %s", exc, extra={"action": "listen_error"})
                 self._stop.wait(delay)
+
+
+def _connect_params(engine: sa.Engine) -> dict[str, Any]:
+    """The parameters the engine's own dialect connects with, as SQLAlchemy decodes the URL: a
+    URL rendered back to a libpq URI keeps the query's ``+`` for a space, so ``options=-c
+    timezone=...`` reached the server as ``+timezone`` and the listener never connected."""
+    _, params = engine.dialect.create_connect_args(engine.url)
+    params.pop("context", None)  # the psycopg dialect's adapters, not a libpq parameter
+    return dict(params)

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Email, Outbox
@@ -73,3 +74,26 @@ def test_notify_wakes_the_relay_well_before_the_next_poll(postgres):
     )
     assert p50 < 0.1
     assert worst < POLL_INTERVAL / 5
+
+
+def test_the_listener_connects_with_a_url_whose_options_hold_a_space(postgres):
+    """``?options=-c%20timezone%3D...`` (a session setting in the URL) used to be rendered back
+    into a libpq URI with ``+`` for the space: the server refused ``+timezone``, the listener
+    never connected, and the relay fell back to polling with a warning every backoff."""
+    url = sa.make_url(postgres.url).update_query_dict({"options": "-c timezone=Asia/Kolkata"})
+    engine = sa.create_engine(url)
+    woken = threading.Semaphore(0)
+    listener = Listener.for_engine(engine, woken.release)
+    assert listener is not None
+    listener.start()
+    try:
+        assert woken.acquire(timeout=20), "the listener did not connect"  # its catch-up call
+        with Session(engine) as session:
+            Outbox().enqueue(
+                session, Email(sender="a@example.com", to=["b@example.com"], subject="s", text="t")
+            )
+            session.commit()
+        assert woken.acquire(timeout=20), "the commit's NOTIFY did not arrive"
+    finally:
+        listener.stop()
+        engine.dispose()
