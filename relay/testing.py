@@ -340,7 +340,8 @@ def _note_held_connections(engine: sa.Engine) -> None:
 def _use_wal(engine: sa.Engine) -> None:
     """Switch a SQLite file database in a rollback-journal mode to WAL, so that a session left
     inside a read transaction (a SHARED lock) no longer blocks the relay's commits. The mode is
-    the file's: it stays WAL. Nothing is done for other databases, for in-memory ones, or if
+    the file's: it stays WAL. Only the main database is switched (where the outbox tables
+    are), never one the app ATTACHes. Nothing is done for other databases, for in-memory ones, or if
     the database is locked right now (then the relay reports the lock)."""
     if engine.dialect.name != "sqlite" or _shares_one_connection(engine):
         return
@@ -348,9 +349,10 @@ def _use_wal(engine: sa.Engine) -> None:
     try:
         cursor = raw.cursor()
         try:
-            (mode,) = cursor.execute("PRAGMA journal_mode").fetchone()
+            # main only: without a schema name the PRAGMA switches every ATTACHed database too
+            (mode,) = cursor.execute("PRAGMA main.journal_mode").fetchone()
             if str(mode).lower() in _ROLLBACK_JOURNAL_MODES:
-                cursor.execute("PRAGMA journal_mode = WAL")
+                cursor.execute("PRAGMA main.journal_mode = WAL")
         finally:
             cursor.close()
     except engine.dialect.loaded_dbapi.Error as exc:

@@ -4,6 +4,8 @@ subprocess that finds the plugin only through the installed entry point."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 
 import pytest
@@ -11,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import sessionmaker
 
-from outbox import Email, Outbox, Status
+from outbox import Email, Outbox, Status, migrations
 from outbox.schema import messages
 from outbox.testing import EnqueuedMessage, enqueued_messages
 from relay.senders import Disabled, Permanent
@@ -283,3 +285,24 @@ def test_an_in_memory_sqlite_engine_with_a_pool_of_many_connections_is_refused(p
         with engine.connect() as conn:
             assert conn.exec_driver_sql("SELECT id FROM orders").scalars().all() == [42]
     engine.dispose()
+
+
+def test_only_the_main_sqlite_database_is_switched_to_wal_not_an_attached_one(tmp_path):
+    """The WAL switch used a PRAGMA without a schema name, which switches every database the
+    app's connections ATTACH (a reference database of the app's, for good) as well."""
+    reference = tmp_path / "reference.db"
+    with contextlib.closing(sqlite3.connect(reference)) as conn:
+        conn.execute("CREATE TABLE countries (code TEXT)")
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'app.db'}")
+
+    @sa.event.listens_for(engine, "connect")
+    def attach(dbapi_connection, _record):
+        dbapi_connection.execute(f"ATTACH DATABASE '{reference}' AS reference")
+
+    migrations.upgrade(engine)
+    enqueue_one(engine)
+    assert len(run_until_idle(engine).sent_ids) == 1
+    engine.dispose()
+    for path, mode in ((tmp_path / "app.db", "wal"), (reference, "delete")):
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone() == (mode,), path
