@@ -31,6 +31,7 @@ __all__ = ["COMMANDS", "parse_duration"]
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 STATUSES = [s.value for s in Status]
+LONGEST = timedelta(weeks=5217)  # about 100 years: longer than any message, and a valid date
 
 
 def parse_duration(text: str) -> timedelta:
@@ -39,7 +40,10 @@ def parse_duration(text: str) -> timedelta:
     parts = _DURATION.findall(cleaned)
     if not parts or _DURATION.sub("", cleaned).strip():
         raise ValueError(f"{text!r} is not a duration such as 90s, 15m, 12h, 30d or 2w")
-    return timedelta(seconds=sum(float(n) * _UNITS[unit] for n, unit in parts))
+    seconds = sum(float(n) * _UNITS[unit] for n, unit in parts)
+    if seconds > LONGEST.total_seconds():  # 'now' minus it must still be a date
+        raise ValueError(f"{text!r} is too long a duration: at most 100 years (5217w)")
+    return timedelta(seconds=seconds)
 
 
 class _Duration(click.ParamType[timedelta]):
@@ -367,6 +371,12 @@ def _progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
 class _Interrupted(click.ClickException):
     """A bulk change stopped part way (Ctrl-C or a database error): what was done, what not."""
 
+    def __init__(
+        self, message: str, done: Sequence[int] = (), unchanged: Sequence[int] = ()
+    ) -> None:
+        super().__init__(message)
+        self.done, self.unchanged = list(done), list(unchanged)
+
 
 def _change(
     database_url: str,
@@ -395,7 +405,25 @@ def _change(
             chosen = sorted(set(_select(conn, ids, flt, allowed, verb)))
         if not ids and not yes:
             raise click.UsageError(f"{len(chosen)} messages match; add --yes to {verb} them all")
-        done = _in_batches(engine, chosen, reason, verb=verb, done_as=done_as, apply=apply)
+        try:
+            done = _in_batches(
+                engine, chosen, reason, by_id=bool(ids), verb=verb, done_as=done_as, apply=apply
+            )
+        except _Interrupted as stopped:
+            if as_json:  # a script learns exactly which ids are done and which to give again
+                click.echo(
+                    _json(
+                        {
+                            "command": verb,
+                            "interrupted": stopped.message.split(":", 1)[0],
+                            "matched": len(chosen),
+                            done_as: len(stopped.done),
+                            f"{done_as}_ids": stopped.done,
+                            "unchanged_ids": stopped.unchanged,
+                        }
+                    )
+                )
+            raise
     left = sorted(set(chosen) - set(done))
     if as_json:
         click.echo(
@@ -420,12 +448,15 @@ def _in_batches(
     chosen: Sequence[int],
     reason: str | None,
     *,
+    by_id: bool,
     verb: str,
     done_as: str,
     apply: Callable[..., list[int]],
 ) -> list[int]:
     """The ids changed, batch by batch in id order. Stopped part way, it says how far it got:
-    the batches before are committed, the rest unchanged, so running it again finishes it."""
+    the batches before are committed, the rest unchanged, so running it again finishes it --
+    with the same filters, or with the given ids not yet reached (the same ids again would be
+    refused: the ones done are no longer in a status the command changes)."""
     done: list[int] = []
     reached = 0  # how many of ``chosen`` the committed batches covered
     operator = _operator()
@@ -446,9 +477,14 @@ def _in_batches(
     except (KeyboardInterrupt, sa.exc.DBAPIError) as exc:
         why = _why_stopped(exc)
         upto = f" (every id up to {chosen[reached - 1]})" if reached else ""
+        again = "running the command again"
+        if by_id and reached:
+            again += f" with the given ids after {chosen[reached - 1]}"
         raise _Interrupted(
             f"{why}: {done_as} {len(done)} of {len(chosen)} message(s){upto}, the others are "
-            f"unchanged; {verb} them by running the command again"
+            f"unchanged; {verb} them by {again}",
+            done,
+            chosen[reached:],
         ) from None
     return done
 

@@ -265,7 +265,7 @@ def test_prune_respects_the_dedup_window(backend, backlog):
     assert enqueue(engine, 4, prefix="k")[3] != backlog[3]
 
 
-@pytest.mark.parametrize("text", ["", "5", "1x", "-1d", "d"])
+@pytest.mark.parametrize("text", ["", "5", "1x", "-1d", "d", "5218w", "9999999999999w"])
 def test_bad_durations_are_refused(text):
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)

@@ -195,6 +195,36 @@ def test_a_bulk_requeue_interrupted_half_way_leaves_whole_batches_and_finishes_w
     assert sorted(a.message_id for a in operator_attempts(engine)) == ids  # one each
 
 
+def test_an_interrupted_requeue_of_given_ids_names_the_ids_to_give_again(backend):
+    """Rerunning with the same ids would be refused (the done ones are pending now), so the
+    line names where to resume and ``--json`` lists the unchanged ids; given again, they
+    finish it."""
+    engine, url = backend.engine, backend.url
+    ids = make_messages(engine, 2 * CHANGE_BATCH + 10, status="unknown_outcome")
+    interrupt = Interrupt(2)
+    sa.event.listen(sa.Engine, "before_cursor_execute", interrupt)
+    try:
+        stopped = cli(url, "requeue", *map(str, reversed(ids)), "--json")
+    finally:
+        sa.event.remove(sa.Engine, "before_cursor_execute", interrupt)
+    assert stopped.exit_code == 1, stopped.output
+    last = ids[CHANGE_BATCH - 1]
+    assert stopped.stderr.strip() == (
+        f"Error: interrupted: requeued {CHANGE_BATCH} of {len(ids)} message(s) (every id up "
+        f"to {last}), the others are unchanged; requeue them by running the command again "
+        f"with the given ids after {last}"
+    )
+    report = json.loads(stopped.stdout)
+    assert report["interrupted"] == "interrupted"
+    assert report["requeued_ids"] == ids[:CHANGE_BATCH]
+    assert report["unchanged_ids"] == ids[CHANGE_BATCH:]
+    assert cli(url, "requeue", *map(str, ids)).exit_code == 1  # the same ids: refused
+    again = cli(url, "requeue", *map(str, report["unchanged_ids"]))
+    assert again.exit_code == 0, again.output
+    assert statuses(engine) == {"pending": len(ids)}
+    assert sorted(a.message_id for a in operator_attempts(engine)) == ids  # one each
+
+
 def lock_waiters(engine: sa.Engine) -> int:
     """How many sessions wait for a row lock right now (on MariaDB: run the cancel's locking
     SELECT, which cannot finish while the claim holds its rows)."""
