@@ -424,19 +424,23 @@ def test_the_apps_first_revision_is_labelled_app_so_a_downgrade_can_name_its_bra
     assert versions == {"outbox_0002", first.name.split("_")[0]}
 
 
+def outbox_relay_migrate(url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("outbox-relay")), "migrate", "--database-url", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def test_a_database_migrated_standalone_is_handed_over_to_the_apps_alembic_as_it_says(
     app_url, tmp_path, shipped_revisions
 ):
     """`outbox-relay migrate` first, the app's alembic later: `alembic upgrade heads` used to
     fail in the DDL ("table outbox_messages already exists", a traceback); it now stops before
     creating anything, and the two steps it names hand the schema over."""
-    migrate = subprocess.run(
-        [str(Path(sys.executable).with_name("outbox-relay")), "migrate", "--database-url", app_url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    migrate = outbox_relay_migrate(app_url)
     assert migrate.returncode == 0, migrate.stderr
     project = Project(tmp_path / "app", app_url)
     project.configure_as_the_readme_says()
@@ -470,3 +474,22 @@ def test_a_database_migrated_standalone_is_handed_over_to_the_apps_alembic_as_it
     assert "outbox_alembic_version" not in tables
     assert "outbox_0002" in versions
     assert "No new upgrade operations detected" in project.alembic("check")
+
+
+def test_outbox_relay_migrate_on_a_schema_the_apps_alembic_carries_says_to_use_alembic(
+    app_url, tmp_path, shipped_revisions
+):
+    """The other way round: `outbox-relay migrate` used to fail with "table outbox_messages
+    already exists" and nothing to do about it."""
+    project = Project(tmp_path / "app", app_url)
+    project.configure_as_the_readme_says()
+    project.alembic("upgrade", "heads")
+    migrate = outbox_relay_migrate(app_url)
+    assert migrate.returncode == 2
+    assert migrate.stderr == (
+        "Error: --database-url: the outbox schema of this database is in your app's alembic "
+        "(its alembic_version holds outbox_0002): keep it up to date with `alembic upgrade "
+        "heads`, not outbox-relay migrate\n"
+    )
+    project.alembic("upgrade", "heads")  # the app's alembic goes on as before
+    assert schema(app_url)[2] == {"outbox_0002"}

@@ -13,6 +13,8 @@ from alembic import op
 from alembic.util import CommandError
 from sqlalchemy.dialects import mysql
 
+from outbox.exceptions import ConfigurationError
+
 revision: str = "outbox_0001"
 down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = ("outbox",)
@@ -40,32 +42,44 @@ def _id() -> sa.types.TypeEngine[int]:
 
 
 STANDALONE_VERSION_TABLE = "outbox_alembic_version"  # outbox.migrations.VERSION_TABLE
+APP_VERSION_TABLE = "alembic_version"  # alembic's default, where an app's alembic records
 
 
-def _refuse_a_schema_migrated_standalone() -> None:
-    """In an app's alembic, on a database whose outbox schema ``outbox-relay migrate`` already
-    created: say how to hand it over, instead of failing on "table outbox_messages already
-    exists" half way through the app's upgrade."""
+def _refuse_a_schema_recorded_elsewhere() -> None:
+    """The outbox schema exists already, its revisions recorded by the other way of migrating
+    (``outbox-relay migrate`` in ``outbox_alembic_version``, or the app's alembic in its own
+    version table): say what to do, instead of failing on "table outbox_messages already
+    exists" (in the app's alembic, half way through its upgrade)."""
     context = op.get_context()
     bind = op.get_bind()
-    if context.version_table == STANDALONE_VERSION_TABLE:
+    standalone = context.version_table == STANDALONE_VERSION_TABLE
+    other = APP_VERSION_TABLE if standalone else STANDALONE_VERSION_TABLE
+    if not sa.inspect(bind).has_table(other):
         return
-    if not sa.inspect(bind).has_table(STANDALONE_VERSION_TABLE):
-        return
-    version = sa.table(STANDALONE_VERSION_TABLE, sa.column("version_num"))
-    applied = sorted(bind.execute(sa.select(version.c.version_num)).scalars())
+    version = sa.table(other, sa.column("version_num"))
+    recorded = bind.execute(
+        sa.select(version.c.version_num).where(version.c.version_num.like("outbox%"))
+    )
+    applied = sorted(recorded.scalars())
     if not applied:
         return
+    if standalone:
+        raise ConfigurationError(
+            "--database-url",
+            f"the outbox schema of this database is in your app's alembic (its {other} holds "
+            f"{', '.join(applied)}): keep it up to date with `alembic upgrade heads`, not "
+            "outbox-relay migrate",
+        )
     raise CommandError(
         "the outbox schema of this database was created by `outbox-relay migrate` (its "
-        f"revisions are in {STANDALONE_VERSION_TABLE}: {', '.join(applied)}); to carry it on "
-        f"in your alembic, run `alembic stamp {' '.join(applied)}` and drop the table "
-        f"{STANDALONE_VERSION_TABLE}, then `alembic upgrade heads` again"
+        f"revisions are in {other}: {', '.join(applied)}); to carry it on in your alembic, "
+        f"run `alembic stamp {' '.join(applied)}` and drop the table {other}, then "
+        "`alembic upgrade heads` again"
     )
 
 
 def upgrade() -> None:
-    _refuse_a_schema_migrated_standalone()
+    _refuse_a_schema_recorded_elsewhere()
     op.create_table(
         "outbox_messages",
         sa.Column("id", _id(), sa.Identity(), nullable=False),
