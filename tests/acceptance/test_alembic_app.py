@@ -493,3 +493,13 @@ def test_outbox_relay_migrate_on_a_schema_the_apps_alembic_carries_says_to_use_a
     )
     project.alembic("upgrade", "heads")  # the app's alembic goes on as before
     assert schema(app_url)[2] == {"outbox_0002"}
+
+
+def test_offline_upgrade_of_the_readme_set_up_writes_the_outbox_ddl(tmp_path, shipped_revisions):
+    """`alembic upgrade heads --sql` has no database to look at: the check for a schema
+    recorded elsewhere stands aside, and the outbox tables' DDL is printed."""
+    project = Project(tmp_path / "app", f"sqlite:///{tmp_path / 'app.db'}")
+    project.configure_as_the_readme_says()
+    output = project.alembic("upgrade", "heads", "--sql")
+    assert "CREATE TABLE outbox_messages" in output
+    assert "INSERT INTO alembic_version (version_num) VALUES ('outbox_0001')" in output

@@ -51,6 +51,8 @@ def _refuse_a_schema_recorded_elsewhere() -> None:
     version table): say what to do, instead of failing on "table outbox_messages already
     exists" (in the app's alembic, half way through its upgrade)."""
     context = op.get_context()
+    if context.as_sql:  # offline (`--sql`): no database to look at
+        return
     bind = op.get_bind()
     standalone = context.version_table == STANDALONE_VERSION_TABLE
     other = APP_VERSION_TABLE if standalone else STANDALONE_VERSION_TABLE
