@@ -459,6 +459,7 @@ def _in_batches(
     refused: the ones done are no longer in a status the command changes)."""
     done: list[int] = []
     reached = 0  # how many of ``chosen`` the committed batches covered
+    committing: list[int] = []  # the changes of a batch whose COMMIT is under way
     operator = _operator()
     try:
         with _progress(len(chosen), f"{verb} {len(chosen)} message(s)") as advance:
@@ -471,22 +472,49 @@ def _in_batches(
                         conn,
                         (_operator_attempt(i, now, operator, done_as, reason) for i in changed),
                     )
+                    committing, since, upto_batch = changed, now, start + len(batch)
+                committing = []
                 done += changed
                 reached = start + len(batch)
                 advance(len(batch))
     except (KeyboardInterrupt, sa.exc.DBAPIError) as exc:
         why = _why_stopped(exc)
+        unsure = ""
+        if committing:  # stopped during its COMMIT: the attempt rows say whether it happened
+            landed = _committed(engine, committing, operator, done_as, since)
+            if landed:
+                done, reached = done + committing, upto_batch
+            elif landed is None:
+                unsure = (
+                    f"; the batch up to id {chosen[upto_batch - 1]} may also have been "
+                    f"{done_as}: `outbox-relay list` shows"
+                )
         upto = f" (every id up to {chosen[reached - 1]})" if reached else ""
         again = "running the command again"
         if by_id and reached:
             again += f" with the given ids after {chosen[reached - 1]}"
         raise _Interrupted(
             f"{why}: {done_as} {len(done)} of {len(chosen)} message(s){upto}, the others are "
-            f"unchanged; {verb} them by {again}",
+            f"unchanged; {verb} them by {again}{unsure}",
             done,
             chosen[reached:],
         ) from None
     return done
+
+
+def _committed(
+    engine: sa.Engine, ids: Sequence[int], operator: str, done_as: str, since: datetime
+) -> bool | None:
+    """Whether a batch whose COMMIT was interrupted landed: its operator attempt rows commit
+    with it, so they exist exactly if it did. None if the database cannot say (gone)."""
+    try:
+        with engine.connect() as conn:
+            found = store.attempted_by(
+                conn, ids=ids, relay_id=operator, outcome=done_as, since=since
+            )
+    except (KeyboardInterrupt, sa.exc.DBAPIError):
+        return None
+    return bool(found)
 
 
 def _why_stopped(exc: BaseException) -> str:

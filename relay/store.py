@@ -52,6 +52,7 @@ __all__ = [
     "RelayHolder",
     "StaleLease",
     "apply_decision",
+    "attempted_by",
     "book_sends",
     "cancel",
     "cancel_many",
@@ -919,6 +920,20 @@ def cancel_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> li
     cancelled (the others had been claimed or had moved on)."""
     values = {"status": Status.CANCELLED.value, "updated_at": now}
     return _change_many(conn, ids, _CANCELLABLE, values)
+
+
+def attempted_by(
+    conn: sa.Connection, *, ids: Sequence[int], relay_id: str, outcome: str, since: datetime
+) -> list[int]:
+    """The ids among ``ids`` with an attempt row by ``relay_id`` with ``outcome``, finished at
+    or after ``since``: how an operator command learns whether a batch's COMMIT landed."""
+    stmt = sa.select(attempts.c.message_id).where(
+        attempts.c.message_id.in_(ids),
+        attempts.c.relay_id == relay_id,
+        attempts.c.outcome == outcome,
+        attempts.c.finished_at >= since,
+    )
+    return sorted(set(conn.execute(stmt).scalars()))
 
 
 def requeue(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:

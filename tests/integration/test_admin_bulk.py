@@ -225,6 +225,36 @@ def test_an_interrupted_requeue_of_given_ids_names_the_ids_to_give_again(backend
     assert sorted(a.message_id for a in operator_attempts(engine)) == ids  # one each
 
 
+def test_a_requeue_interrupted_as_a_batch_commits_counts_that_batch(backend, monkeypatch):
+    """Ctrl-C arriving just as a batch's COMMIT completes (a moment only a hook on the
+    dialect's commit can choose): the batch landed, and the line says so, from its attempt
+    rows, instead of calling it unchanged."""
+    engine, url = backend.engine, backend.url
+    ids = make_messages(engine, 2 * CHANGE_BATCH + 10, status="failed")
+    dialect = type(engine.dialect)
+    commit, commits = dialect.do_commit, Counter[str]()
+
+    def commit_then_interrupt(self, dbapi_connection) -> None:
+        commit(self, dbapi_connection)
+        commits["seen"] += 1
+        if commits["seen"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dialect, "do_commit", commit_then_interrupt)
+    stopped = cli(url, "requeue", "--status", "failed", "--yes", "--json")
+    monkeypatch.undo()
+    assert stopped.exit_code == 1, stopped.output
+    two = 2 * CHANGE_BATCH
+    assert stopped.stderr.strip().startswith(
+        f"Error: interrupted: requeued {two} of {len(ids)} message(s) (every id up to "
+        f"{ids[two - 1]}), the others are unchanged"
+    )
+    report = json.loads(stopped.stdout)
+    assert report["requeued_ids"] == ids[:two]
+    assert report["unchanged_ids"] == ids[two:]
+    assert statuses(engine) == {"pending": two, "failed": len(ids) - two}
+
+
 def lock_waiters(engine: sa.Engine) -> int:
     """How many sessions wait for a row lock right now (on MariaDB: run the cancel's locking
     SELECT, which cannot finish while the claim holds its rows)."""
