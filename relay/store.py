@@ -1034,12 +1034,18 @@ def get_message(
     return row, list(history)
 
 
+_IDS_PER_STATEMENT = 10_000  # PostgreSQL takes at most 65,535 parameters in one statement
+
+
 def statuses_of(conn: sa.Connection, ids: Sequence[int]) -> dict[int, str]:
-    """statuses_of -- The current status of each existing id."""
-    if not ids:
-        return {}
-    rows = conn.execute(sa.select(m.c.id, m.c.status).where(m.c.id.in_(ids))).all()
-    return {row.id: row.status for row in rows}
+    """statuses_of -- The current status of each existing id, read ``_IDS_PER_STATEMENT`` ids
+    a statement, so an operator may give any number of ids."""
+    found: dict[int, str] = {}
+    for start in range(0, len(ids), _IDS_PER_STATEMENT):
+        chunk = ids[start : start + _IDS_PER_STATEMENT]
+        rows = conn.execute(sa.select(m.c.id, m.c.status).where(m.c.id.in_(chunk))).all()
+        found.update((row.id, row.status) for row in rows)
+    return found
 
 
 PRUNABLE = (Status.SENT.value, Status.FAILED.value, Status.CANCELLED.value, Status.EXPIRED.value)

@@ -255,6 +255,17 @@ def test_a_requeue_interrupted_as_a_batch_commits_counts_that_batch(backend, mon
     assert statuses(engine) == {"pending": two, "failed": len(ids) - two}
 
 
+def test_a_cancel_takes_more_ids_than_one_statement_holds_parameters(server_backend):
+    """More ids than PostgreSQL's 65,535 parameters a statement (pasted from ``list
+    --json``): all are checked and cancelled, instead of a database error."""
+    engine, url = server_backend.engine, server_backend.url
+    ids = make_messages(engine, 66_000)
+    done = cli(url, "cancel", *map(str, ids))
+    assert done.exit_code == 0, done.output
+    assert done.stdout == f"cancelled {len(ids)} message(s)\n"
+    assert statuses(engine) == {"cancelled": len(ids)}
+
+
 def lock_waiters(engine: sa.Engine) -> int:
     """How many sessions wait for a row lock right now (on MariaDB: run the cancel's locking
     SELECT, which cannot finish while the claim holds its rows)."""
