@@ -372,10 +372,15 @@ class _Interrupted(click.ClickException):
     """A bulk change stopped part way (Ctrl-C or a database error): what was done, what not."""
 
     def __init__(
-        self, message: str, done: Sequence[int] = (), unchanged: Sequence[int] = ()
+        self, message: str, done: Sequence[int] = (), unchanged: Sequence[int] = (), count: int = 0
     ) -> None:
         super().__init__(message)
-        self.done, self.unchanged = list(done), list(unchanged)
+        self.done, self.unchanged, self.count = list(done), list(unchanged), count
+
+    @property
+    def why(self) -> str:
+        """``interrupted`` or ``database error``: the ``interrupted`` field of ``--json``."""
+        return self.message.split(":", 1)[0]
 
 
 def _change(
@@ -415,7 +420,7 @@ def _change(
                     _json(
                         {
                             "command": verb,
-                            "interrupted": stopped.message.split(":", 1)[0],
+                            "interrupted": stopped.why,
                             "matched": len(chosen),
                             done_as: len(stopped.done),
                             f"{done_as}_ids": stopped.done,
@@ -663,14 +668,20 @@ def prune(
                 if dry_run or _show_progress()
                 else None
             )
-        deleted = 0 if dry_run else _prune_batches(engine, cutoff, batch_size, matched or 0)
+        interrupted: _Interrupted | None = None
+        try:
+            deleted = 0 if dry_run else _prune_batches(engine, cutoff, batch_size, matched or 0)
+        except _Interrupted as stopped:  # --json still says how many went, then the line
+            interrupted, deleted = stopped, stopped.count
     if as_json:
         counts = {"would_delete": matched} if dry_run else {"deleted": deleted}
+        stop = {"interrupted": interrupted.why} if interrupted else {}
         click.echo(
             _json(
                 {
                     "command": "prune",
                     "dry_run": dry_run,
+                    **stop,
                     **counts,
                     "cutoff": cutoff,
                     "older_than_seconds": older_than.total_seconds(),
@@ -679,7 +690,11 @@ def prune(
                 }
             )
         )
-    elif dry_run:
+    if interrupted:
+        raise interrupted
+    if as_json:
+        return
+    if dry_run:
         click.echo(f"would delete {matched} message(s) created before {_text(cutoff)}")
     else:
         click.echo(f"deleted {deleted} message(s) created before {_text(cutoff)}")
@@ -702,7 +717,8 @@ def _prune_batches(engine: sa.Engine, cutoff: datetime, batch_size: int, expecte
         why = _why_stopped(exc)
         raise _Interrupted(
             f"{why}: deleted {deleted} message(s) before it stopped; run the command again "
-            "to delete the rest"
+            "to delete the rest",
+            count=deleted,
         ) from None
 
 

@@ -158,11 +158,11 @@ class Interrupt:
     """Ctrl-C arriving while the ``nth`` UPDATE of outbox_messages is sent: what a SIGINT
     does to the command at that moment, at a moment a test can choose."""
 
-    def __init__(self, nth: int) -> None:
-        self.nth, self.seen = nth, 0
+    def __init__(self, nth: int, statement: str = "UPDATE outbox_messages") -> None:
+        self.nth, self.seen, self.statement = nth, 0, statement
 
     def __call__(self, conn, cursor, statement, parameters, context, executemany) -> None:
-        if statement.startswith("UPDATE outbox_messages"):
+        if statement.startswith(self.statement):
             self.seen += 1
             if self.seen == self.nth:
                 raise KeyboardInterrupt
@@ -369,6 +369,28 @@ def test_a_relay_claim_racing_a_requeue_neither_waits_nor_claims_until_it_commit
             assert {c.attempt_count for c in claims} == {0}
     finally:
         relay_engine.dispose()
+
+
+def test_an_interrupted_prune_still_reports_json(backend):
+    """Stopped in its second batch, prune --json still prints how many it deleted (the first
+    batch, committed), with the one-line error and exit 1."""
+    engine, url = backend.engine, backend.url
+    old = datetime.now(UTC) - timedelta(days=60)
+    make_messages(engine, 25, status="sent", created_at=old, updated_at=old)
+    interrupt = Interrupt(2, "DELETE FROM outbox_messages")
+    sa.event.listen(sa.Engine, "before_cursor_execute", interrupt)
+    try:
+        stopped = cli(url, "prune", "--older-than", "30d", "--batch-size", "10", "--json")
+    finally:
+        sa.event.remove(sa.Engine, "before_cursor_execute", interrupt)
+    assert stopped.exit_code == 1, stopped.output
+    assert stopped.stderr.strip() == (
+        "Error: interrupted: deleted 10 message(s) before it stopped; run the command again "
+        "to delete the rest"
+    )
+    report = json.loads(stopped.stdout)
+    assert (report["interrupted"], report["deleted"]) == ("interrupted", 10)
+    assert statuses(engine) == {"sent": 15}
 
 
 def test_prune_says_when_the_dedup_window_clamps_and_reports_json(backend):
