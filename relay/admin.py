@@ -320,6 +320,13 @@ def show(database_url: str, message_id: int, as_json: bool) -> None:
 # -- change ---------------------------------------------------------------------------------
 
 
+def _some(items: Iterable[str], shown: int = 10) -> str:
+    """The first ``shown`` items and how many more: a refusal of 70,000 ids stays one line."""
+    listed = list(items)
+    more = f" and {len(listed) - shown} more" if len(listed) > shown else ""
+    return ", ".join(listed[:shown]) + more
+
+
 def _select(
     conn: sa.Connection, ids: Sequence[int], flt: store.Filter, allowed: Iterable[str], verb: str
 ) -> list[int]:
@@ -330,11 +337,11 @@ def _select(
         found = store.statuses_of(conn, ids)
         missing = [i for i in ids if i not in found]
         if missing:
-            raise click.ClickException(f"no message with id {', '.join(map(str, missing))}")
+            raise click.ClickException(f"no message with id {_some(map(str, missing))}")
         wrong = [f"{i} ({found[i]})" for i in ids if found[i] not in allowed]
         if wrong:
             raise click.ClickException(
-                f"cannot {verb} {', '.join(wrong)}: only {' or '.join(allowed)} messages"
+                f"cannot {verb} {_some(wrong)}: only {' or '.join(allowed)} messages"
             )
         return list(ids)
     statuses = flt.statuses or allowed

@@ -218,7 +218,12 @@ def test_an_interrupted_requeue_of_given_ids_names_the_ids_to_give_again(backend
     assert report["interrupted"] == "interrupted"
     assert report["requeued_ids"] == ids[:CHANGE_BATCH]
     assert report["unchanged_ids"] == ids[CHANGE_BATCH:]
-    assert cli(url, "requeue", *map(str, ids)).exit_code == 1  # the same ids: refused
+    refused = cli(url, "requeue", *map(str, ids))  # the same ids: refused, in one short line
+    assert refused.exit_code == 1
+    assert refused.stderr.strip() == (
+        f"Error: cannot requeue {', '.join(f'{i} (pending)' for i in ids[:10])} and "
+        f"{CHANGE_BATCH - 10} more: only unknown_outcome or failed messages"
+    )
     again = cli(url, "requeue", *map(str, report["unchanged_ids"]))
     assert again.exit_code == 0, again.output
     assert statuses(engine) == {"pending": len(ids)}
