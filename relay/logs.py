@@ -4,7 +4,8 @@ Every relay line carries an ``action`` and, where there is one, a ``message_id``
 or a credential. Both formats drop any field named ``text``, ``html``, ``body`` or ``payload``
 (a body must never reach a log, even by mistake), and mask the addresses in fields named
 ``recipients``, ``recipient``, ``to``, ``cc``, ``bcc``, ``reply_to``, ``sender`` or ``from``
-(``a***@example.com``) unless ``log_recipients`` is set; names match in any case, also inside a dict or list value.
+(``a***@example.com``) unless ``log_recipients`` is set; names match in any case, also inside
+a dict or list value.
 
 Both formats have one record per line, whatever a message or a traceback holds, and the same
 keys: ``ts`` (ISO 8601 in UTC, ``Z``, milliseconds), ``level``, ``logger``, the extra fields
