@@ -492,7 +492,7 @@ def test_dockerignore_keeps_tests_venvs_and_caches_out_and_the_wheel_ships_the_m
     assert "outbox/_migrations/versions/0001_outbox_initial.py" in image.context
     for path in image.context:
         top = path.split("/", 1)[0]
-        assert top in {"pyproject.toml", "README.md", "outbox", "relay"}, path
+        assert top in {"pyproject.toml", "README.md", "LICENSE", "outbox", "relay"}, path
         assert "__pycache__" not in path
         assert not path.endswith((".pyc", ".pyo"))
 
@@ -518,6 +518,7 @@ def test_dockerignore_keeps_tests_venvs_and_caches_out_and_the_wheel_ships_the_m
 
     names = set(zipfile.ZipFile(image.wheel).namelist())
     assert "outbox/_migrations/versions/0001_outbox_initial.py" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "the MIT text ships"
     assert not any(n.startswith(("tests/", "examples/")) for n in names)
     (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert (
