@@ -177,10 +177,13 @@ def test_operator_cancels_mid_run_are_never_sent_and_lost_races_are_reported(
     assert summary.cancel_confirmed >= 1, summary.cancels
     assert summary.cancel_lost >= 1, summary.cancels  # at least the rows already sent
     assert summary.cancelled == summary.cancel_confirmed
-    # no fault: unknown_outcome only from requests SES accepted and answered after the read
-    # timeout (a loaded machine), which the harness counts from the fault server's record
-    assert summary.unknown <= summary.slow_answers
-    assert (summary.failed, summary.ended_after_unanswered) == (0, 0)
+    # No fault: a send is ambiguous only when SES accepted it and answered after the read
+    # timeout (a loaded machine), which the harness counts from the fault server's record.
+    # Each such answer ends as at most one of: an unknown_outcome (hold), a second delivery of
+    # resend mail, or resend mail cancelled after SES had it (documented in Guarantees).
+    ambiguous = summary.unknown + summary.resend_duplicates + summary.ended_after_unanswered
+    assert ambiguous <= summary.slow_answers
+    assert summary.failed == 0
 
 
 def test_every_fault_in_one_run_loses_nothing(server_backend, moto, tmp_path, size):
