@@ -1,5 +1,5 @@
 """Real ``outbox-relay run --sender ses`` processes on PostgreSQL and MariaDB, sending through
-boto3 to moto behind the fault-injecting proxy of :mod:`tests.ses_emulator`.
+boto3 to moto behind the fault-injecting proxy of :mod:`tests.support.ses`.
 
 What SES (moto) holds is the truth these tests check the database against: every message
 delivered once (more than once only under the ``resend`` policy), every provider message id the
@@ -36,7 +36,7 @@ from tests.acceptance.relayproc import (
     statuses,
     wait_for,
 )
-from tests.ses_emulator import FaultPlan, FaultServer, MotoSes, aws_env, max_in_window
+from tests.support.ses import FaultPlan, FaultServer, MotoSes, aws_env, max_in_window
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
 DIGEST = Category(name="digest", backoff_base=0.2, backoff_cap=1.0, ambiguity="resend")

@@ -34,7 +34,7 @@ from tests.acceptance.relayproc import (
     spawn,
     wait_for,
 )
-from tests.ses_emulator import IDENTITY, FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
+from tests.support.ses import IDENTITY, FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
 
 QUIET = ("--poll-interval", "0.2", "--log-level", "WARNING")
 

@@ -24,7 +24,7 @@ from relay.pause import ACCOUNT, Scope, ScopeKind
 from relay.senders import Disabled, OutgoingMessage
 from relay.senders.ses import SesSender, build_client, pause_scope
 from relay.worker import Relay
-from tests.ses_emulator import FaultServer, MotoSes, aws_env
+from tests.support.ses import FaultServer, MotoSes, aws_env
 
 OB = Outbox()
 PAUSE = 0.6  # --pause-seconds

@@ -24,7 +24,7 @@ from outbox.exceptions import ConfigurationError
 from outbox.message import Attachment
 from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
 from relay.senders.ses import SesSender, build_client
-from tests.ses_emulator import FaultPlan, FaultServer, MotoSes, aws_env
+from tests.support.ses import FaultPlan, FaultServer, MotoSes, aws_env
 
 SEND_TIMEOUT = 0.5  # the read timeout of the client under test
 HANG_SECONDS = 2.0  # how long a "hang" holds its answer: well past the read timeout

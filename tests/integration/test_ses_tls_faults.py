@@ -32,7 +32,7 @@ from cryptography.x509.oid import NameOID
 from relay.senders import Accepted, Ambiguous, Permanent, Transient
 from relay.senders.ses import SesSender, build_client
 from tests.integration.test_ses_sender import AWS_VARIABLES, message
-from tests.ses_emulator import SEND_PATH, aws_env
+from tests.support.ses import SEND_PATH, aws_env
 
 SEND_TIMEOUT = 0.5  # the client's read timeout
 IO_TIMEOUT = 5.0  # how long the server waits on a client that went quiet

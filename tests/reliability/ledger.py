@@ -3,7 +3,7 @@
 One run: enqueue N messages across three categories (``fast``: policy hold; ``digest``:
 policy resend; ``expiring``: hold, with an ``expires_at`` a few seconds out), start K real
 ``outbox-relay run --sender ses`` processes against moto behind the fault server of
-:mod:`tests.ses_emulator`, inject the scenario's faults on a schedule, let every row settle,
+:mod:`tests.support.ses`, inject the scenario's faults on a schedule, let every row settle,
 stop the relays (SIGTERM: they must drain and exit 0), then compare what SES accepted (the
 fault server's ledger: per outbox id, how many times moto took it) with the outbox rows.
 
@@ -103,7 +103,7 @@ from relay.testing import read_deliveries
 from tests.acceptance.relayproc import FAKE_SENDER, RELAY, RelayProc, clean_env, spawn
 from tests.acceptance.test_relay_faults import shifted
 from tests.integration.test_ses_tls_faults import make_certificate
-from tests.ses_emulator import FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
+from tests.support.ses import FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
 DIGEST = Category(name="digest", backoff_base=0.2, backoff_cap=1.0, ambiguity="resend")

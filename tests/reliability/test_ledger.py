@@ -35,7 +35,7 @@ from tests.reliability.ledger import (
     Summary,
     run,
 )
-from tests.ses_emulator import MotoSes
+from tests.support.ses import MotoSes
 from tests.unit.test_message import INVALID, make
 
 RELAYS = 3
