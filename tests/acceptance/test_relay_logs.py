@@ -1,7 +1,7 @@
 """A real ``outbox-relay run`` process's stderr, line by line, as a log shipper reads it: in
-``--log-format text`` every line is strict logfmt (tests/logfmt.py), in ``json`` every line is
-one JSON object; both with a UTC ``ts`` ending in ``Z``, whatever the sender's errors and
-tracebacks hold."""
+``--log-format text`` every line is strict logfmt (:mod:`tests.support.logfmt`), in ``json``
+every line is one JSON object; both with a UTC ``ts`` ending in ``Z``, whatever the sender's
+errors and tracebacks hold."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 import relay
 from outbox import Email, Outbox
 from tests.acceptance.relayproc import RELAY, clean_env
-from tests.logfmt import parse
+from tests.support.logfmt import parse
 
 PROJECT = str(Path(relay.__file__).resolve().parents[1])  # the relay this test imports
 RAISED = 'the provider\'s SDK broke:\nsecond "line" = here \\ end'

@@ -15,7 +15,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from relay import logs
-from tests.logfmt import LogfmtError, parse, parse_pairs
+from tests.support.logfmt import LogfmtError, parse, parse_pairs
 
 SECRET_BODY = "Your password reset code is 123456"
 
