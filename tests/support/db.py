@@ -1,0 +1,177 @@
+"""The test databases: which backends run, the tiny shop's models, and reading outbox rows.
+
+Server URLs come from ``OUTBOX_TEST_POSTGRES_URL`` and ``OUTBOX_TEST_MYSQL_URL``; without them
+testcontainers starts a container when Docker is there. A backend that cannot be reached skips
+locally and **fails when CI=true**. The fixtures built on these live in
+:mod:`tests.support.fixtures`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from outbox.schema import attempts, messages
+from outbox.schema import metadata as outbox_metadata
+
+__all__ = [
+    "BACKENDS",
+    "CI",
+    "Backend",
+    "Base",
+    "Order",
+    "User",
+    "async_url_for",
+    "attempt_rows",
+    "emptied",
+    "reset_database",
+    "row",
+    "rows",
+    "server_url",
+    "statuses",
+    "unavailable",
+]
+
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+BACKENDS = ("sqlite", "postgresql", "mysql")
+
+
+class Base(DeclarativeBase):
+    """The business tables of a tiny shop, standing in for the host app's models."""
+
+
+class Order(Base):
+    """A shop order: what an app enqueues an email beside."""
+
+    __tablename__ = "shop_orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    customer: Mapped[str] = mapped_column(sa.String(255))
+    status: Mapped[str] = mapped_column(sa.String(20), default="new")
+
+
+class User(Base):
+    """A shop user: the address a welcome email goes to."""
+
+    __tablename__ = "shop_users"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    email: Mapped[str] = mapped_column(sa.String(255))
+    name: Mapped[str] = mapped_column(sa.String(255), default="")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backend:
+    """One migrated test database: its backend name, sync and async URLs, and an engine."""
+
+    name: str
+    url: str
+    async_url: str
+    engine: sa.Engine
+
+
+def unavailable(name: str, reason: str) -> None:
+    """Skip the test for an unreachable backend; fail it instead when CI=true."""
+    message = f"{name} backend unavailable: {reason}"
+    if CI:
+        pytest.fail(message + " (CI=true: database tests must run, not skip)", pytrace=False)
+    pytest.skip(message)
+
+
+def server_url(name: str, stack: ExitStack) -> str:
+    """The URL of the ``postgresql`` or ``mysql`` test server: from the environment, else a
+    container entered on ``stack``."""
+    env = {"postgresql": "OUTBOX_TEST_POSTGRES_URL", "mysql": "OUTBOX_TEST_MYSQL_URL"}[name]
+    url = os.environ.get(env)
+    if url:
+        return url
+    try:
+        if name == "postgresql":
+            from testcontainers.postgres import PostgresContainer
+
+            pg = stack.enter_context(PostgresContainer("postgres:15", driver="psycopg"))
+            return str(pg.get_connection_url())
+        from testcontainers.mysql import MySqlContainer
+
+        my = stack.enter_context(MySqlContainer("mariadb:10.11", dialect="pymysql"))
+        return str(my.get_connection_url())
+    except Exception as exc:
+        unavailable(name, f"{env} is not set and testcontainers failed ({exc.__class__.__name__})")
+        raise
+
+
+def async_url_for(url: str) -> str:
+    """``url`` with the async driver of its backend."""
+    u = sa.make_url(url)
+    driver = {
+        "sqlite": "aiosqlite",
+        "postgresql": "psycopg",
+        "mysql": "aiomysql",
+        "mariadb": "aiomysql",
+    }[u.get_backend_name()]
+    return u.set(drivername=f"{u.get_backend_name()}+{driver}").render_as_string(
+        hide_password=False
+    )
+
+
+def reset_database(engine: sa.Engine) -> None:
+    """Drop everything in the test database, so each run starts from migrations."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.exec_driver_sql("DROP SCHEMA IF EXISTS public CASCADE")
+            conn.exec_driver_sql("CREATE SCHEMA public")
+            return
+        inspector = sa.inspect(conn)
+        for view in inspector.get_view_names():
+            conn.exec_driver_sql(f"DROP VIEW IF EXISTS {view}")
+        if engine.dialect.name in ("mysql", "mariadb"):
+            conn.exec_driver_sql("SET FOREIGN_KEY_CHECKS = 0")
+        for table in inspector.get_table_names():
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
+        if engine.dialect.name in ("mysql", "mariadb"):
+            conn.exec_driver_sql("SET FOREIGN_KEY_CHECKS = 1")
+
+
+def emptied(backend: Backend) -> Iterator[Backend]:
+    """Yield ``backend``, then delete every row of the shop's and the outbox's tables."""
+    yield backend
+    with backend.engine.begin() as conn:
+        for table in (
+            *reversed(Base.metadata.sorted_tables),
+            *reversed(outbox_metadata.sorted_tables),
+        ):
+            conn.execute(table.delete())
+
+
+def rows(engine: sa.Engine) -> list[sa.Row[Any]]:
+    """Every outbox message row, by id."""
+    with engine.connect() as conn:
+        return list(conn.execute(sa.select(messages).order_by(messages.c.id)))
+
+
+def row(engine: sa.Engine, message_id: int, *, payload: bool = True) -> sa.Row[Any]:
+    """One message's row; without its payload column (which a test may have made unreadable)
+    when ``payload`` is False."""
+    columns = [c for c in messages.c if payload or c.name != "payload"]
+    with engine.connect() as conn:
+        return conn.execute(sa.select(*columns).where(messages.c.id == message_id)).one()
+
+
+def statuses(engine: sa.Engine) -> dict[int, str]:
+    """{message id: status} of every message."""
+    with engine.connect() as conn:
+        return dict(conn.execute(sa.select(messages.c.id, messages.c.status)).tuples().all())
+
+
+def attempt_rows(engine: sa.Engine, message_id: int | None = None) -> list[sa.Row[Any]]:
+    """The attempt rows, by id: all of them, or those of ``message_id``."""
+    query = sa.select(attempts).order_by(attempts.c.id)
+    if message_id is not None:
+        query = query.where(attempts.c.message_id == message_id)
+    with engine.connect() as conn:
+        return list(conn.execute(query))
