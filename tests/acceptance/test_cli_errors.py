@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from relay.cli import main
-from tests.acceptance.relayproc import RELAY, clean_env
+from tests.support.relays import RELAY, clean_env
 
 # Each command with arguments that make it go as far as its database. A new command must be
 # added here, so that its start-up errors are checked too.

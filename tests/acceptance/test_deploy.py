@@ -38,7 +38,7 @@ from outbox.schema import messages
 from outbox.sqlite import enable_savepoints
 from relay.cli import main as cli_main
 from relay.testing import read_deliveries
-from tests.acceptance.relayproc import FAKE_SENDER, clean_env, wait_for
+from tests.support.relays import FAKE_SENDER, clean_env, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "examples" / "deploy"

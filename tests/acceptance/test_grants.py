@@ -29,7 +29,7 @@ from sqlalchemy.orm import sessionmaker
 
 from outbox import Outbox
 from outbox.schema import attempts, messages, relays
-from tests.acceptance.relayproc import (
+from tests.support.relays import (
     FAKE_SENDER,
     RELAY,
     attempt_rows,

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox.schema import messages
-from tests.acceptance.relayproc import (
+from tests.support.relays import (
     RELAY,
     Relays,
     clean_env,

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from libfaketime import get_reload_information
 
-from tests.acceptance.relayproc import (
+from tests.support.relays import (
     FAKE_SENDER,
     RELAY,
     Relays,

@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 
 import relay
 from outbox import Email, Outbox
-from tests.acceptance.relayproc import RELAY, clean_env
 from tests.support.logfmt import parse
+from tests.support.relays import RELAY, clean_env
 
 PROJECT = str(Path(relay.__file__).resolve().parents[1])  # the relay this test imports
 RAISED = 'the provider\'s SDK broke:\nsecond "line" = here \\ end'

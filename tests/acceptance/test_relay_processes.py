@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox.schema import messages
-from tests.acceptance.relayproc import (
+from tests.support.relays import (
     Relays,
     attempt_rows,
     enqueue,

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from outbox.sqlite import enable_savepoints
 from relay import cli
 from relay.testing import read_deliveries
-from tests.acceptance.relayproc import (
+from tests.support.relays import (
     FAKE_SENDER,
     RELAY,
     attempt_rows,

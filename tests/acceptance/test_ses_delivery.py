@@ -26,7 +26,7 @@ from outbox import Category, Email, Outbox
 from outbox.message import Attachment
 from outbox.schema import messages
 from relay import store
-from tests.acceptance.relayproc import (
+from tests.support.relays import (
     RelayProc,
     attempt_rows,
     clean_env,

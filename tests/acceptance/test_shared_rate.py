@@ -25,7 +25,7 @@ from sqlalchemy.orm import sessionmaker
 
 from outbox import Email, Outbox
 from relay.clock import read_database_time
-from tests.acceptance.relayproc import (
+from tests.support.relays import (
     RelayProc,
     Relays,
     clean_env,

@@ -28,7 +28,7 @@ from relay import store
 from relay.admin import CHANGE_BATCH
 from relay.cli import main
 from relay.db import make_engine
-from tests.acceptance.relayproc import RELAY, clean_env
+from tests.support.relays import RELAY, clean_env
 
 OB = Outbox()
 N = 3000  # six batches of CHANGE_BATCH
