@@ -22,24 +22,8 @@ from outbox import (
     UnknownCategory,
     signals,
 )
-from outbox.schema import messages
-from tests.conftest import Order, User
-
-
-def email(n: int = 1, **kw) -> Email:
-    fields = {
-        "sender": "Shop <shop@example.com>",
-        "to": [f"customer{n}@example.com"],
-        "subject": f"Order {n}",
-        "text": f"Thanks for order {n}.",
-    }
-    fields.update(kw)
-    return Email(**fields)
-
-
-def rows(engine: sa.Engine) -> list[sa.Row]:
-    with engine.connect() as conn:
-        return list(conn.execute(sa.select(messages).order_by(messages.c.id)))
+from tests.support.db import Order, User, rows
+from tests.support.factories import email
 
 
 def order_count(engine: sa.Engine) -> int:

@@ -12,7 +12,7 @@ from sqlalchemy.orm import sessionmaker
 from outbox import Email, HeaderInjection, InvalidKey, Outbox
 from outbox.schema import messages
 from outbox.sqlite import enable_savepoints
-from tests.conftest import Order, User
+from tests.support.db import Order, User
 
 
 def welcome(user: User) -> Email:

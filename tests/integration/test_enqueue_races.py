@@ -22,8 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from outbox import EnqueueResult, Outbox
 from outbox.schema import messages
-from tests.conftest import Backend, Order, _emptied
-from tests.integration.test_enqueue import email, rows
+from tests.support.db import Backend, Order, emptied, rows
+from tests.support.factories import email
 
 LOCK_WAIT_SECONDS = 5
 
@@ -48,7 +48,7 @@ def race_engine(server_backend: Backend) -> Iterator[sa.Engine]:
 @pytest.fixture
 def mariadb_engine(_backends: dict[str, Backend]) -> Iterator[sa.Engine]:
     """MariaDB only: InnoDB can roll back a whole transaction on its own; PostgreSQL never does."""
-    for backend in _emptied(_backends["mysql"]):
+    for backend in emptied(_backends["mysql"]):
         yield from bounded_engine(backend)
 
 
@@ -64,7 +64,7 @@ def held() -> Iterator[list[Session]]:
 
 @pytest.fixture
 def postgres_backend(_backends: dict[str, Backend]) -> Iterator[Backend]:
-    yield from _emptied(_backends["postgresql"])
+    yield from emptied(_backends["postgresql"])
 
 
 def session_id(session: Session) -> int:

@@ -17,7 +17,7 @@ from examples.flask_shop import app as flask_shop
 from outbox import Email
 from outbox.schema import messages
 from relay.testing import FakeSender, run_until_idle
-from tests.conftest import _emptied
+from tests.support.db import emptied
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def pg(_backends):
     """PostgreSQL, migrated, with the example's tables created for the test only."""
-    yield from _emptied(_backends["postgresql"])
+    yield from emptied(_backends["postgresql"])
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from outbox.schema import messages
 from outbox.testing import EnqueuedMessage, enqueued_messages
 from relay.senders import Disabled, Permanent
 from relay.testing import FakeSender, RelayNotIdle, run_until_idle
-from tests.conftest import User
+from tests.support.db import User
+from tests.support.factories import enqueue
 
 pytest_plugins = ["pytester"]
 
@@ -175,12 +176,6 @@ def test_run_until_idle_delivers_with_a_fake_sender_and_returns_it(backend):
     assert run_until_idle(backend.engine).sent_ids == []
 
 
-def enqueue_one(engine, key="one"):
-    email = Email(sender="shop@example.com", to=["ada@example.com"], subject="Hi", text="Hi!")
-    with sessionmaker(engine).begin() as session:
-        return Outbox().enqueue(session, email, key=key).id
-
-
 def not_idle_error(engine, **settings):
     """run_until_idle's error (it must raise one) and the seconds it took."""
     began = time.monotonic()
@@ -193,7 +188,7 @@ def not_idle_error(engine, **settings):
 def test_rows_another_transaction_holds_locked_time_out_with_what_to_do(server_backend):
     """The claim skips locked rows (SKIP LOCKED): the relay went idle, the message unsent."""
     engine = server_backend.engine
-    enqueue_one(engine)
+    enqueue(engine, key="one")
     with engine.connect() as holder:
         holder.execute(sa.select(messages.c.id).with_for_update()).all()
         message, seconds = not_idle_error(engine, timeout=2)
@@ -209,7 +204,7 @@ def test_rows_another_transaction_holds_locked_time_out_with_what_to_do(server_b
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_a_transaction_holding_the_sqlite_database_times_out_saying_so(backend):
     engine = backend.engine
-    enqueue_one(engine)
+    enqueue(engine, key="one")
     with engine.connect() as holder:
         holder.begin()
         holder.execute(sa.insert(User).values(email="bob@example.com"))  # the write lock
@@ -222,7 +217,7 @@ def test_a_transaction_holding_the_sqlite_database_times_out_saying_so(backend):
 
 
 def test_a_relay_paused_past_the_timeout_says_how_to_let_it_probe(backend):
-    enqueue_one(backend.engine)
+    enqueue(backend.engine, key="one")
     sender = FakeSender([Disabled(code="AccountSuspended", pause=True)])
     message, _ = not_idle_error(backend.engine, sender=sender, timeout=1)
     assert "Sending is paused (AccountSuspended) and probed again every 60s" in message
@@ -300,7 +295,7 @@ def test_only_the_main_sqlite_database_is_switched_to_wal_not_an_attached_one(tm
         dbapi_connection.execute(f"ATTACH DATABASE '{reference}' AS reference")
 
     migrations.upgrade(engine)
-    enqueue_one(engine)
+    enqueue(engine, key="one")
     assert len(run_until_idle(engine).sent_ids) == 1
     engine.dispose()
     for path, mode in ((tmp_path / "app.db", "wal"), (reference, "delete")):
