@@ -9,8 +9,8 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from libfaketime import get_reload_information
 
+from tests.support.clocks import shifted
 from tests.support.relays import (
     FAKE_SENDER,
     RELAY,
@@ -85,16 +85,6 @@ def test_a_send_past_send_timeout_is_swept_and_its_late_answer_kept(server_backe
     tries = [(a.outcome, a.provider_message_id) for a in attempt_rows(engine)]
     assert tries == [("lease_expired", None), ("stale:accepted", f"fake-{mid}-1")]
     assert "send_overdue" in proc.output()
-
-
-def shifted(env: dict[str, str], offset: str) -> dict[str, str]:
-    """``env`` for a process whose wall clock runs ``offset`` off (libfaketime); its
-    monotonic clock is left alone."""
-    _needed, preload = get_reload_information()
-    out = {**env, **preload, "FAKETIME": offset}
-    if env.get("LD_LIBRARY_PATH"):
-        out["LD_LIBRARY_PATH"] = f"{preload['LD_LIBRARY_PATH']}:{env['LD_LIBRARY_PATH']}"
-    return out
 
 
 def first_log_time(log: str) -> datetime:

@@ -19,33 +19,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import botocore.exceptions as bex
 import pytest
 
-from outbox import Email
 from outbox.exceptions import ConfigurationError
 from outbox.message import Attachment
-from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
+from relay.senders import Accepted, Ambiguous, Disabled, Permanent, Transient
 from relay.senders.ses import SesSender, build_client
-from tests.support.ses import FaultPlan, FaultServer, MotoSes, aws_env
+from tests.support.ses import AWS_VARIABLES, FaultPlan, FaultServer, MotoSes, aws_env, outgoing
 
 SEND_TIMEOUT = 0.5  # the read timeout of the client under test
 HANG_SECONDS = 2.0  # how long a "hang" holds its answer: well past the read timeout
-
-AWS_VARIABLES = (
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
-    "AWS_PROFILE",
-    "AWS_DEFAULT_PROFILE",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_SESV2",
-    "AWS_ROLE_ARN",
-    "AWS_WEB_IDENTITY_TOKEN_FILE",
-    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
-)
 
 
 @pytest.fixture(scope="module")
@@ -89,19 +70,6 @@ def sender(ses, endpoint):
     return SesSender(build_client(send_timeout=SEND_TIMEOUT, concurrency=1))
 
 
-def message(n: int = 1, *, category: str = "default", **fields) -> OutgoingMessage:
-    values = {
-        "sender": "Shop <shop@example.com>",
-        "to": [f"customer{n}@example.com"],
-        "subject": f"msg key-{n}",
-        "text": f"Thanks for order {n}.",
-    }
-    values.update(fields)
-    return OutgoingMessage(
-        id=n, key=f"key-{n}", category=category, attempt=1, email=Email(**values)
-    )
-
-
 def send_one(ses, sender, msg):
     """Send ``msg``; check it made exactly one SendEmail request and no other request."""
     before, others = len(ses.sends), ses.other_requests
@@ -114,7 +82,7 @@ def send_one(ses, sender, msg):
 
 
 def test_a_pass_is_accepted_with_the_message_id_moto_returned(ses, sender, moto):
-    outcome, request = send_one(ses, sender, message(1))
+    outcome, request = send_one(ses, sender, outgoing(1))
 
     assert request.kind == "pass"
     held = moto.messages()
@@ -163,7 +131,7 @@ def test_an_error_answer_is_classified_from_its_code_after_one_request(
     ses, sender, moto, kind, expected
 ):
     ses.plan.script(kind)
-    outcome, request = send_one(ses, sender, message(2))
+    outcome, request = send_one(ses, sender, outgoing(2))
 
     assert request.kind == kind
     assert outcome == expected
@@ -173,7 +141,7 @@ def test_an_error_answer_is_classified_from_its_code_after_one_request(
 def test_a_hang_past_the_read_timeout_is_ambiguous_and_ses_did_take_it(ses, sender, moto):
     ses.plan.script("hang")
     started = time.monotonic()
-    outcome, request = send_one(ses, sender, message(3))
+    outcome, request = send_one(ses, sender, outgoing(3))
     took = time.monotonic() - started
 
     assert isinstance(outcome, Ambiguous)
@@ -185,7 +153,7 @@ def test_a_hang_past_the_read_timeout_is_ambiguous_and_ses_did_take_it(ses, send
 
 def test_a_reset_after_ses_took_the_message_is_ambiguous(ses, sender, moto):
     ses.plan.script("reset")
-    outcome, request = send_one(ses, sender, message(4))
+    outcome, request = send_one(ses, sender, outgoing(4))
 
     assert isinstance(outcome, Ambiguous), outcome
     assert outcome.code == "ConnectionClosedError"
@@ -195,7 +163,7 @@ def test_a_reset_after_ses_took_the_message_is_ambiguous(ses, sender, moto):
 
 def test_a_reset_before_forwarding_is_ambiguous_too_since_the_client_cannot_tell(ses, sender, moto):
     ses.plan.script("reset_before")
-    outcome, request = send_one(ses, sender, message(5))
+    outcome, request = send_one(ses, sender, outgoing(5))
 
     assert isinstance(outcome, Ambiguous), outcome
     assert outcome.code == "ConnectionClosedError"
@@ -208,8 +176,8 @@ def test_the_next_send_on_the_same_client_is_clean_after_a_broken_one(ses, sende
     """A broken or error-answered connection must not poison botocore's pool: the next send
     is again one request, and accepted."""
     ses.plan.script(kind)
-    send_one(ses, sender, message(6))
-    outcome, request = send_one(ses, sender, message(7))
+    send_one(ses, sender, outgoing(6))
+    outcome, request = send_one(ses, sender, outgoing(7))
 
     assert request.kind == "pass"
     assert outcome == Accepted(provider_message_id=request.message_id)
@@ -218,7 +186,7 @@ def test_the_next_send_on_the_same_client_is_clean_after_a_broken_one(ses, sende
 def test_ses_itself_rejects_an_unverified_sender_as_permanent(ses, sender, moto):
     """moto's own refusal (not the fault server's), as SES answers mail from an identity
     that is not verified: a permanent MessageRejected."""
-    outcome, request = send_one(ses, sender, message(13, sender="Other <other@example.org>"))
+    outcome, request = send_one(ses, sender, outgoing(13, sender="Other <other@example.org>"))
 
     assert request.kind == "pass"
     assert request.status == 400
@@ -229,7 +197,7 @@ def test_ses_itself_rejects_an_unverified_sender_as_permanent(ses, sender, moto)
 
 def test_a_verified_domain_covers_every_address_in_it(ses, sender, moto):
     moto.verify("example.org")
-    outcome, _ = send_one(ses, sender, message(14, sender="News <news@example.org>"))
+    outcome, _ = send_one(ses, sender, outgoing(14, sender="News <news@example.org>"))
 
     assert isinstance(outcome, Accepted)
     assert [m["source"] for m in moto.messages()] == ["News <news@example.org>"]
@@ -241,7 +209,7 @@ def test_connection_refused_is_transient_the_request_never_left(endpoint, moto):
         port = closed.getsockname()[1]
         endpoint(f"http://127.0.0.1:{port}")
         sender = SesSender(build_client(send_timeout=SEND_TIMEOUT, concurrency=1))
-        outcome = sender.send(message(8))
+        outcome = sender.send(outgoing(8))
 
     assert isinstance(outcome, Transient), outcome
     assert outcome.code == "EndpointConnectionError"
@@ -250,7 +218,7 @@ def test_connection_refused_is_transient_the_request_never_left(endpoint, moto):
 
 def test_a_rich_email_arrives_at_ses_complete(ses, sender, moto):
     pdf = bytes(range(256)) * 4
-    msg = message(
+    msg = outgoing(
         9,
         category="receipts",
         to=["Ann <ann@example.com>", "bob@example.com"],
@@ -311,12 +279,12 @@ def test_the_configuration_set_is_sent_when_given_and_the_emails_own_wins(ses, e
     endpoint(ses.url)
     client = build_client(send_timeout=SEND_TIMEOUT, concurrency=1)
 
-    _, plain = send_one(ses, SesSender(client), message(10))
-    _, relay_set = send_one(ses, SesSender(client, configuration_set="relay-set"), message(11))
+    _, plain = send_one(ses, SesSender(client), outgoing(10))
+    _, relay_set = send_one(ses, SesSender(client, configuration_set="relay-set"), outgoing(11))
     _, own_set = send_one(
         ses,
         SesSender(client, configuration_set="relay-set"),
-        message(12, configuration_set="email-set"),
+        outgoing(12, configuration_set="email-set"),
     )
 
     assert "ConfigurationSetName" not in plain.request
@@ -408,7 +376,7 @@ def test_credentials_that_cannot_be_refreshed_pause_and_nothing_reaches_ses(
     sender = SesSender(build_client(send_timeout=SEND_TIMEOUT, concurrency=1))
     assert calls.read_text().count("call") == 1  # credentials at start, good for a minute
 
-    outcome = sender.send(message(15))
+    outcome = sender.send(outgoing(15))
 
     assert calls.read_text().count("call") == 2  # the refresh was tried, and failed
     assert ses.sends == []
@@ -472,7 +440,7 @@ def test_an_sts_error_while_refreshing_web_identity_credentials_is_not_an_ses_an
     sender = SesSender(build_client(send_timeout=SEND_TIMEOUT, concurrency=1))
     assert sts_calls == []  # botocore fetches these credentials only when it first signs
 
-    outcome = sender.send(message(16))
+    outcome = sender.send(outgoing(16))
 
     assert len(sts_calls) >= 1
     assert b"Action=AssumeRoleWithWebIdentity" in sts_calls[0]
@@ -497,13 +465,13 @@ def test_how_far_a_call_got_is_kept_per_thread(ses, sender, moto):
 
     sender.client.meta.events.register("before-sign.sesv2.SendEmail", refuse_to_sign_18)
     outcomes = {}
-    first = threading.Thread(target=lambda: outcomes.update({17: sender.send(message(17))}))
+    first = threading.Thread(target=lambda: outcomes.update({17: sender.send(outgoing(17))}))
     first.start()
     deadline = time.monotonic() + 5
     while not ses.sends and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [s.outbox_id for s in ses.sends] == [17]  # the first request is out, unanswered
-    outcomes[18] = sender.send(message(18))
+    outcomes[18] = sender.send(outgoing(18))
     first.join(10)
 
     assert isinstance(outcomes[17], Ambiguous), outcomes[17]

@@ -11,8 +11,6 @@ whatever may have arrived is ambiguous, only what provably never left may be ret
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import ipaddress
 import json
 import os
 import socket
@@ -20,69 +18,19 @@ import ssl
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from relay.senders import Accepted, Ambiguous, Permanent, Transient
 from relay.senders.ses import SesSender, build_client
-from tests.integration.test_ses_sender import AWS_VARIABLES, message
-from tests.support.ses import SEND_PATH, aws_env
+from tests.support.ses import AWS_VARIABLES, SEND_PATH, aws_env, outgoing
+from tests.support.tls import Certificate, make_certificate
 
 SEND_TIMEOUT = 0.5  # the client's read timeout
 IO_TIMEOUT = 5.0  # how long the server waits on a client that went quiet
 
 
 # -- TLS material ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Certificate:
-    cert_file: Path
-    key_file: Path
-
-    def server_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.cert_file, self.key_file)
-        return context
-
-
-def make_certificate(folder: Path, name: str) -> Certificate:
-    """A self-signed certificate for 127.0.0.1 (IP SAN)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    certificate = Certificate(folder / f"{name}.pem", folder / f"{name}.key")
-    certificate.cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    certificate.key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return certificate
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +229,7 @@ def test_a_tls_error_after_the_whole_request_arrived_is_ambiguous(certs, sender_
     failed handshake; here the server holds the complete request, so SES may have it."""
     tls = certs["trusted"].server_context()
     with WireServer(corrupt_record_after_the_request, tls) as server:
-        outcome = sender_for(server.url, ca=certs["trusted"]).send(message(1))
+        outcome = sender_for(server.url, ca=certs["trusted"]).send(outgoing(1))
 
     [arrived] = server.sends  # the whole request, as the sender built it
     assert {"Name": "outbox_message_id", "Value": "1"} in arrived["EmailTags"]
@@ -294,7 +242,7 @@ def test_a_tls_error_after_the_whole_request_arrived_is_ambiguous(certs, sender_
 def test_a_certificate_the_client_does_not_trust_is_transient_nothing_was_sent(certs, sender_for):
     tls = certs["stranger"].server_context()
     with WireServer(answer("200 OK", {}, b"{}"), tls) as server:
-        outcome = sender_for(server.url, ca=certs["trusted"]).send(message(2))
+        outcome = sender_for(server.url, ca=certs["trusted"]).send(outgoing(2))
 
     assert server.requests == []
     assert len(server.handshake_failures) == 1  # it got as far as the handshake, no further
@@ -318,7 +266,7 @@ def test_a_handshake_that_fails_is_transient_the_request_was_never_written(
     times out (botocore calls the latter a read timeout) cannot have delivered it."""
     with WireServer(behaviour) as server:
         https = server.url.replace("http://", "https://")
-        outcome = sender_for(https).send(message(3))
+        outcome = sender_for(https).send(outgoing(3))
 
     assert server.requests == []
     assert server.errors == []
@@ -358,7 +306,7 @@ def test_an_answer_that_is_not_from_ses_is_ambiguous(sender_for, status, headers
     SES took the message: without SES's request id and error code (or, for a 200, its
     MessageId) the answer says nothing about the message."""
     with WireServer(answer(status, headers, body)) as server:
-        outcome = sender_for(server.url).send(message(4))
+        outcome = sender_for(server.url).send(outgoing(4))
 
     assert len(server.sends) == 1
     assert isinstance(outcome, Ambiguous), outcome
@@ -379,7 +327,7 @@ def test_the_same_status_in_ses_own_shape_is_its_answer(sender_for, status, code
         "x-amzn-RequestId": "b2c0e8a4-1111-4f6e-9c51-7c1f0f2d0a11",
     }
     with WireServer(answer(status, headers, b'{"message": "from SES"}')) as server:
-        outcome = sender_for(server.url).send(message(5))
+        outcome = sender_for(server.url).send(outgoing(5))
 
     assert len(server.sends) == 1
     assert type(outcome) is expected
@@ -389,7 +337,7 @@ def test_the_same_status_in_ses_own_shape_is_its_answer(sender_for, status, code
 def test_a_success_with_ses_message_id_is_accepted(sender_for):
     headers = {"Content-Type": "application/json", "x-amzn-RequestId": "5e1d-req"}
     with WireServer(answer("200 OK", headers, b'{"MessageId": "0100-abc"}')) as server:
-        outcome = sender_for(server.url).send(message(6))
+        outcome = sender_for(server.url).send(outgoing(6))
 
     assert len(server.sends) == 1
     assert outcome == Accepted(provider_message_id="0100-abc")

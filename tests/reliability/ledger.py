@@ -100,10 +100,10 @@ from outbox import Category, Email, Outbox, migrations
 from outbox.schema import attempts, messages, relays
 from relay.db import make_engine
 from relay.testing import read_deliveries
-from tests.acceptance.test_relay_faults import shifted
-from tests.integration.test_ses_tls_faults import make_certificate
+from tests.support.clocks import shifted
 from tests.support.relays import FAKE_SENDER, RELAY, RelayProc, clean_env, spawn
 from tests.support.ses import FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
+from tests.support.tls import make_certificate
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
 DIGEST = Category(name="digest", backoff_base=0.2, backoff_cap=1.0, ambiguity="resend")

@@ -64,7 +64,11 @@ from urllib.parse import urlsplit
 
 import boto3
 
+from relay.senders import OutgoingMessage
+from tests.support.factories import email
+
 __all__ = [
+    "AWS_VARIABLES",
     "FAULTS",
     "IDENTITY",
     "REGION",
@@ -75,6 +79,7 @@ __all__ = [
     "SendRequest",
     "aws_env",
     "max_in_window",
+    "outgoing",
 ]
 
 REGION = "us-east-1"
@@ -135,6 +140,39 @@ def aws_env(endpoint_url: str) -> dict[str, str]:
         "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
         "AWS_EC2_METADATA_DISABLED": "true",
     }
+
+
+# every variable of the standard AWS chain a test clears before it sets its own
+AWS_VARIABLES = (
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_SESV2",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+)
+
+
+def outgoing(n: int = 1, *, category: str = "default", **fields: Any) -> OutgoingMessage:
+    """Message ``n`` as the relay hands it to a sender (id ``n``, key ``key-{n}``, first
+    attempt): :func:`tests.support.factories.email` ``n`` with the key in its subject, since
+    moto keeps the subject and not the tags; ``fields`` override any Email field."""
+    return OutgoingMessage(
+        id=n,
+        key=f"key-{n}",
+        category=category,
+        attempt=1,
+        email=email(n, **{"subject": f"msg key-{n}", **fields}),
+    )
 
 
 # -- moto -------------------------------------------------------------------------------
