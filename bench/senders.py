@@ -5,13 +5,13 @@ from __future__ import annotations
 import threading
 import time
 
-from relay.senders import Accepted, Outcome, OutgoingMessage
+from relay.senders import Accepted, BaseSender, Outcome, OutgoingMessage
 from relay.senders.ses import build_request
 
 __all__ = ["AcceptingSender", "accepting_sender"]
 
 
-class AcceptingSender:
+class AcceptingSender(BaseSender):
     """Builds the ``SendEmail`` request, optionally sleeps ``latency`` seconds (a simulated
     provider call), records when each send started, and accepts."""
 

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 import click
 import sqlalchemy as sa
@@ -30,8 +30,9 @@ from relay.cli_options import (
 from relay.config import RelayConfig
 from relay.http import start_http_server
 from relay.metrics import RelayMetrics
-from relay.senders import Sender
+from relay.senders import Sender, as_sender
 from relay.senders.console import ConsoleSender
+from relay.senders.smtp import DEFAULT_SECURITY, SECURITY_MODES, SmtpSender, SmtpSettings
 from relay.wakeup import Listener
 from relay.worker import Relay
 
@@ -124,8 +125,10 @@ RATE = _Rate()
 
 
 def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sender:
-    """``ses``, ``console``, or ``package.module:factory`` for a sender of your own (called
-    with no arguments; configure it from the environment)."""
+    """``ses``, ``smtp``, ``console``, or ``package.module:factory`` for a sender of your own
+    (called with no arguments; configure it from the environment). What the factory returns
+    needs only ``send``: the members it lacks get :class:`~relay.senders.BaseSender`'s
+    defaults (:func:`~relay.senders.as_sender`)."""
     if spec == "console":
         return ConsoleSender()
     if spec == "ses":
@@ -138,20 +141,7 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
         client = build_client(send_timeout=config.send_timeout, concurrency=config.concurrency)
         return SesSender(client, configuration_set=options.get("ses_configuration_set"))
     if spec == "smtp":
-        from relay.senders.smtp import SmtpSender
-
-        if not options.get("smtp_host"):
-            raise ConfigurationError("--smtp-host", "required with --sender smtp")
-        security: Literal["starttls", "ssl", "none"] = options.get("smtp_security") or "starttls"
-        port = options.get("smtp_port") or (465 if security == "ssl" else 587)
-        return SmtpSender(
-            options["smtp_host"],
-            port,
-            security=security,
-            username=options.get("smtp_username"),
-            password=options.get("smtp_password"),
-            timeout=config.send_timeout,
-        )
+        return _smtp_sender(config, options)
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
@@ -162,18 +152,41 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError("--sender", f"{spec!r} cannot be loaded: {exc}") from None
     try:
-        sender = factory()
+        built = factory()
     except ConfigurationError:
         raise
     except Exception as exc:
         raise ConfigurationError(
             "--sender", f"{spec!r} could not build a sender: {type(exc).__name__}: {exc}"
         ) from None
-    if not isinstance(sender, Sender):
+    try:
+        return as_sender(built)
+    except TypeError as exc:
         raise ConfigurationError(
-            "--sender", f"{spec!r} returned a {type(sender).__name__}, which has no send(message)"
+            "--sender",
+            f"{spec!r} returned {exc}: subclass relay.senders.BaseSender and write send()",
+        ) from None
+
+
+def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
+    """``--sender smtp``: the ``--smtp-*`` flags as :class:`SmtpSettings`; the timeout of each
+    connect and read is ``--send-timeout`` unless ``--smtp-timeout`` is shorter."""
+    timeout = options.get("smtp_timeout")
+    if timeout is not None and timeout > config.send_timeout:
+        raise ConfigurationError(
+            "--smtp-timeout",
+            f"must be at most --send-timeout ({config.send_timeout:g}s): past it the relay "
+            "has given up on the send",
         )
-    return sender
+    settings = SmtpSettings(
+        host=options.get("smtp_host") or "",
+        port=options.get("smtp_port"),
+        security=options.get("smtp_security") or DEFAULT_SECURITY,
+        username=options.get("smtp_username"),
+        password=options.get("smtp_password"),
+        timeout=config.send_timeout if timeout is None else timeout,
+    )
+    return SmtpSender(settings)
 
 
 @main.command()
@@ -188,12 +201,19 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
 @option("--smtp-port", type=int, default=None, help="SMTP port [default: 465 for ssl, else 587].")
 @option(
     "--smtp-security",
-    type=click.Choice(["starttls", "ssl", "none"]),
-    default="starttls",
+    type=click.Choice(SECURITY_MODES),
+    default=DEFAULT_SECURITY,
     help="How the SMTP connection is encrypted.",
 )
 @option("--smtp-username", default=None, help="SMTP user, if the server needs AUTH.")
 @option("--smtp-password", default=None, show_default=False, help="SMTP password.")
+@option(
+    "--smtp-timeout",
+    type=float,
+    default=None,
+    help="Seconds each SMTP connect and read may take; at most --send-timeout "
+    "[default: --send-timeout].",
+)
 @option("--concurrency", type=int, default=8, help="Sends in flight at once (threads).")
 @option("--batch-size", type=int, default=50, help="Most messages claimed per statement.")
 @option("--lease-seconds", type=float, default=120.0, help="How long a claim is held.")
@@ -296,9 +316,8 @@ def run(**options: Any) -> None:
             server.stop()
         if listener is not None:
             listener.stop()
-        close = getattr(sender, "close", None)
-        if callable(close) and not relay.in_flight:
-            close()
+        if not relay.in_flight:
+            sender.close()
         engine.dispose()
     if relay.in_flight:  # drain deadline passed: do not wait on the sends' threads
         logging.shutdown()

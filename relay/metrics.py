@@ -130,7 +130,7 @@ class RelayMetrics:
         Info("outbox_relay", "The relay this process runs.", registry=r).info(
             {
                 "relay_id": relay.relay_id,
-                "sender": str(getattr(relay.sender, "name", type(relay.sender).__name__)),
+                "sender": relay.sender.name,
                 "version": _package_version(),
             }
         )

@@ -33,7 +33,7 @@ from sqlalchemy.pool import SingletonThreadPool, StaticPool
 from outbox.schema import CLAIMABLE, messages
 from relay.clock import read_database_time
 from relay.db import READ_COMMITTED
-from relay.senders import Accepted, Outcome, OutgoingMessage
+from relay.senders import Accepted, BaseSender, Outcome, OutgoingMessage
 
 __all__ = [
     "DatabaseInUse",
@@ -48,7 +48,7 @@ Script = Callable[[OutgoingMessage], Outcome]
 log = logging.getLogger(__name__)
 
 
-class FakeSender:
+class FakeSender(BaseSender):
     """A sender that records each call and answers from a script.
 
     ``outcomes`` is either a callable ``(message) -> Outcome`` or a sequence consumed one per

@@ -7,6 +7,8 @@ provider and no answer came back, the outcome is :class:`Ambiguous`, never :clas
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -16,12 +18,14 @@ from relay.pause import ACCOUNT, Scope
 __all__ = [
     "Accepted",
     "Ambiguous",
+    "BaseSender",
     "Disabled",
     "Outcome",
     "OutgoingMessage",
     "Permanent",
     "Sender",
     "Transient",
+    "as_sender",
 ]
 
 
@@ -103,10 +107,103 @@ Outcome = Accepted | Transient | Permanent | Ambiguous | Disabled
 
 @runtime_checkable
 class Sender(Protocol):
-    """Delivers one message. Called from worker threads: must be thread-safe."""
+    """What the relay sends through. Called from worker threads: must be thread-safe.
 
-    name: str
+    Subclass :class:`BaseSender` and write :meth:`send`: it gives the other members their
+    defaults."""
+
+    @property
+    def name(self) -> str:
+        """A short name for logs and the ``outbox_relay_info`` metric (``ses``, ``smtp``)."""
+        ...
 
     def send(self, message: OutgoingMessage) -> Outcome:
         """Deliver ``message`` and classify what happened. Must not raise for delivery errors."""
         ...
+
+    def close(self) -> None:
+        """Release connections. ``outbox-relay run`` calls it once at exit, when no send is in
+        flight."""
+        ...
+
+    def max_send_rate(self) -> float | None:
+        """The account's send rate in recipients per second, read by ``--max-send-rate auto``;
+        None if the provider does not say."""
+        ...
+
+
+class BaseSender(abc.ABC):
+    """A :class:`Sender` with defaults: the class name as :attr:`name`, a :meth:`close` that
+    does nothing and no account rate. Subclasses write :meth:`send` and override the rest as
+    needed (``name = "mine"`` as a class attribute)."""
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @abc.abstractmethod
+    def send(self, message: OutgoingMessage) -> Outcome:
+        """Deliver ``message`` and classify what happened. Must not raise for delivery errors."""
+
+    def close(self) -> None:  # noqa: B027 (doing nothing is the default)
+        """Nothing to release."""
+
+    def max_send_rate(self) -> float | None:
+        """No account rate known."""
+        return None
+
+
+def as_sender(candidate: object) -> Sender:
+    """``candidate`` as a full :class:`Sender`: itself if it has every member, else wrapped so
+    the members it lacks get :class:`BaseSender`'s defaults (an object with only ``send`` is a
+    sender; its ``name`` is its class name). Raises :class:`TypeError` if it has no callable
+    ``send``."""
+    send = getattr(candidate, "send", None)
+    if not callable(send):
+        raise TypeError(f"an instance of {type(candidate).__name__}, which has no send(message)")
+    if isinstance(candidate, Sender) and _complete(candidate):
+        return candidate
+    return _Adapted(candidate, send)
+
+
+def _complete(sender: Sender) -> bool:
+    """Whether the members are usable too, not only present (``close = None`` is not)."""
+    return (
+        isinstance(sender.name, str) and callable(sender.close) and callable(sender.max_send_rate)
+    )
+
+
+class _Adapted(BaseSender):
+    """A sender written without :class:`BaseSender`: its own members where it has them."""
+
+    __slots__ = ("_close", "_name", "_rate", "_send", "wrapped")
+
+    def __init__(self, wrapped: object, send: Callable[[OutgoingMessage], Outcome]) -> None:
+        self.wrapped = wrapped
+        self._send = send
+        name = getattr(wrapped, "name", None)
+        self._name = name if isinstance(name, str) else type(wrapped).__name__
+        close = getattr(wrapped, "close", None)
+        self._close: Callable[[], object] | None = close if callable(close) else None
+        rate = getattr(wrapped, "max_send_rate", None)
+        self._rate: Callable[[], float | None] | None = rate if callable(rate) else None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def send(self, message: OutgoingMessage) -> Outcome:
+        return self._send(message)
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+
+    def max_send_rate(self) -> float | None:
+        rate = None if self._rate is None else self._rate()
+        return None if rate is None else float(rate)
+
+    def __repr__(self) -> str:
+        return f"as_sender({self.wrapped!r})"

@@ -6,12 +6,12 @@ import sys
 import threading
 from typing import TextIO
 
-from relay.senders import Accepted, Outcome, OutgoingMessage
+from relay.senders import Accepted, BaseSender, Outcome, OutgoingMessage
 
 __all__ = ["ConsoleSender"]
 
 
-class ConsoleSender:
+class ConsoleSender(BaseSender):
     """Writes a short summary of each message (never its body) to ``stream``."""
 
     name = "console"

@@ -55,6 +55,7 @@ from relay.pause import ACCOUNT, Scope, ScopeKind
 from relay.senders import (
     Accepted,
     Ambiguous,
+    BaseSender,
     Disabled,
     Outcome,
     OutgoingMessage,
@@ -366,7 +367,7 @@ class _Progress(threading.local):
         self.reached = Progress.PREPARING
 
 
-class SesSender:
+class SesSender(BaseSender):
     """Sends through SES v2; thread-safe (boto3 clients are, and what a call reached is kept
     per thread: a call runs on the thread that made it, hooks included)."""
 

@@ -34,15 +34,17 @@ import socket
 import ssl
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from email.generator import BytesGenerator
 from email.message import EmailMessage
 from email.utils import formatdate, parseaddr
-from typing import TYPE_CHECKING, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from outbox.exceptions import ConfigurationError
 from relay.senders import (
     Accepted,
     Ambiguous,
+    BaseSender,
     Disabled,
     Outcome,
     OutgoingMessage,
@@ -57,6 +59,7 @@ __all__ = [
     "OUTBOX_ID_HEADER",
     "Security",
     "SmtpSender",
+    "SmtpSettings",
     "classify",
     "from_env",
 ]
@@ -65,6 +68,7 @@ log = logging.getLogger("relay")
 
 Security = Literal["starttls", "ssl", "none"]
 SECURITY_MODES: tuple[Security, ...] = ("starttls", "ssl", "none")
+DEFAULT_SECURITY: Security = "starttls"
 OUTBOX_ID_HEADER = "X-Outbox-Message-Id"
 _MAX_MESSAGE_CHARS = 1000
 _MAX_PROVIDER_ID_CHARS = 255
@@ -303,36 +307,44 @@ class _ThreadState(threading.local):
 # -- the sender -----------------------------------------------------------------------------
 
 
-class SmtpSender:
-    """Sends through an SMTP server (submission with STARTTLS, implicit TLS, or plain).
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SmtpSettings:
+    """How to reach one SMTP server, checked when made: a bad value raises
+    :class:`~outbox.exceptions.ConfigurationError` naming the ``outbox-relay run`` flag that
+    sets it (each flag's ``OUTBOX_SMTP_*`` variable sets it too).
 
-    Thread-safe: every thread has its own connection. Settings are checked here and a bad one
-    raises :class:`~outbox.exceptions.ConfigurationError` naming its ``--smtp-*`` flag. Call
-    :meth:`close` once no send is in flight to say QUIT on every connection.
-    """
+    ``port`` None is 465 with ``ssl``, else 587 (:attr:`effective_port`). ``timeout`` is how
+    long each connect and read on the connection may take, in seconds. ``local_hostname``
+    (the EHLO name) and ``ssl_context`` have no flag."""
 
-    name = "smtp"
+    host: str
+    port: int | None = None
+    security: Security = DEFAULT_SECURITY
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    timeout: float = 20.0
+    local_hostname: str | None = None
+    ssl_context: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
 
-    def __init__(
-        self,
-        host: str,
-        port: int = 587,
-        *,
-        security: Security = "starttls",
-        username: str | None = None,
-        password: str | None = None,
-        timeout: float = 20.0,
-        local_hostname: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-    ) -> None:
-        if not isinstance(host, str) or not host or any(c.isspace() for c in host):
-            raise ConfigurationError("--smtp-host", "must be a host name or address, no spaces")
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise ConfigurationError("--smtp-port", "must be an integer from 1 to 65535")
-        if security not in SECURITY_MODES:
+    def __post_init__(self) -> None:
+        host = self.host
+        if host is None or host == "":
             raise ConfigurationError(
-                "--smtp-security", f"{security!r} is not one of {', '.join(SECURITY_MODES)}"
+                "--smtp-host", "required (or OUTBOX_SMTP_HOST): the SMTP server's name or address"
             )
+        if not isinstance(host, str) or any(c.isspace() for c in host):
+            raise ConfigurationError("--smtp-host", "must be a host name or address, no spaces")
+        port = self.port
+        if port is not None and (
+            isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535
+        ):
+            raise ConfigurationError("--smtp-port", "must be an integer from 1 to 65535")
+        if self.security not in SECURITY_MODES:
+            raise ConfigurationError(
+                "--smtp-security",
+                f"{self.security!r} is not one of {', '.join(SECURITY_MODES)}",
+            )
+        username, password = self.username, self.password
         if username is not None and (not isinstance(username, str) or not username):
             raise ConfigurationError("--smtp-username", "must be a non-empty string")
         if password is not None and (not isinstance(password, str) or not password):
@@ -341,6 +353,7 @@ class SmtpSender:
             raise ConfigurationError("--smtp-password", "is required with --smtp-username")
         if password is not None and username is None:
             raise ConfigurationError("--smtp-username", "is required with --smtp-password")
+        timeout = self.timeout
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
@@ -348,27 +361,86 @@ class SmtpSender:
             or timeout <= 0
         ):
             raise ConfigurationError("--smtp-timeout", "must be a positive number of seconds")
-        if local_hostname is not None and (
-            not isinstance(local_hostname, str)
-            or not local_hostname
-            or any(c.isspace() for c in local_hostname)
+        name = self.local_hostname
+        if name is not None and (
+            not isinstance(name, str) or not name or any(c.isspace() for c in name)
         ):
             raise ConfigurationError("local_hostname", "must be a host name, no spaces")
-        if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+        if self.ssl_context is not None and not isinstance(self.ssl_context, ssl.SSLContext):
             raise ConfigurationError("ssl_context", "must be an ssl.SSLContext")
-        if ssl_context is not None and security == "none":
+        if self.ssl_context is not None and self.security == "none":
             raise ConfigurationError(
                 "--smtp-security", "an ssl_context was given, but security is 'none'"
             )
-        self.host = host
-        self.port = port
-        self.security: Security = security
-        self.username = username
-        self._password = password
-        self.timeout = float(timeout)
-        self.local_hostname = local_hostname
-        self._ssl_context = ssl_context
-        if self._ssl_context is None and security != "none":
+
+    @property
+    def effective_port(self) -> int:
+        """``port``, or its default: 465 with ``ssl``, else 587."""
+        if self.port is not None:
+            return self.port
+        return 465 if self.security == "ssl" else 587
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        """Read ``OUTBOX_SMTP_HOST`` (required), ``OUTBOX_SMTP_PORT``, ``OUTBOX_SMTP_SECURITY``
+        (any case), ``OUTBOX_SMTP_USERNAME``, ``OUTBOX_SMTP_PASSWORD`` and
+        ``OUTBOX_SMTP_TIMEOUT``: the variables of the ``--smtp-*`` flags. An empty variable
+        counts as unset; the password is taken as given (spaces may be part of it), the rest
+        stripped."""
+        env = os.environ if environ is None else environ
+
+        def get(name: str) -> str | None:
+            return env.get(f"OUTBOX_SMTP_{name}", "").strip() or None
+
+        values: dict[str, Any] = {
+            "host": get("HOST") or "",
+            "username": get("USERNAME"),
+            "password": env.get("OUTBOX_SMTP_PASSWORD") or None,
+        }
+        if (security := get("SECURITY")) is not None:
+            values["security"] = security.lower()
+        if (port := get("PORT")) is not None:
+            try:
+                values["port"] = int(port)
+            except ValueError:
+                raise ConfigurationError(
+                    "--smtp-port", f"OUTBOX_SMTP_PORT={port!r} is not an integer"
+                ) from None
+        if (timeout := get("TIMEOUT")) is not None:
+            try:
+                values["timeout"] = float(timeout)
+            except ValueError:
+                raise ConfigurationError(
+                    "--smtp-timeout", f"OUTBOX_SMTP_TIMEOUT={timeout!r} is not a number"
+                ) from None
+        return cls(**values)
+
+
+class SmtpSender(BaseSender):
+    """Sends through an SMTP server (submission with STARTTLS, implicit TLS, or plain), as
+    :class:`SmtpSettings` say.
+
+    Thread-safe: every thread has its own connection. Call :meth:`close` once no send is in
+    flight to say QUIT on every connection.
+    """
+
+    name = "smtp"
+
+    def __init__(self, settings: SmtpSettings) -> None:
+        if not isinstance(settings, SmtpSettings):
+            raise TypeError(
+                f"SmtpSender takes SmtpSettings(host=..., ...), not {type(settings).__name__}"
+            )
+        self.settings = settings
+        self.host = settings.host
+        self.port = settings.effective_port
+        self.security: Security = settings.security
+        self.username = settings.username
+        self._password = settings.password
+        self.timeout = float(settings.timeout)
+        self.local_hostname = settings.local_hostname
+        self._ssl_context = settings.ssl_context
+        if self._ssl_context is None and settings.security != "none":
             self._ssl_context = ssl.create_default_context()
         self._local = _ThreadState()
         self._lock = threading.Lock()
@@ -376,53 +448,9 @@ class SmtpSender:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
-        """Build one from ``OUTBOX_SMTP_HOST`` (required), ``OUTBOX_SMTP_PORT`` (default 465
-        with ``ssl``, else 587), ``OUTBOX_SMTP_SECURITY`` (starttls), ``OUTBOX_SMTP_USERNAME``,
-        ``OUTBOX_SMTP_PASSWORD`` and ``OUTBOX_SMTP_TIMEOUT`` (20 seconds). An empty variable
-        counts as unset."""
-        env = os.environ if environ is None else environ
-
-        def get(name: str) -> str | None:
-            value = env.get(f"OUTBOX_SMTP_{name}", "").strip()
-            return value or None
-
-        host = get("HOST")
-        if host is None:
-            raise ConfigurationError("--smtp-host", "OUTBOX_SMTP_HOST is not set")
-        security = (get("SECURITY") or "starttls").lower()
-        if security not in SECURITY_MODES:
-            raise ConfigurationError(
-                "--smtp-security",
-                f"OUTBOX_SMTP_SECURITY={security!r} is not one of {', '.join(SECURITY_MODES)}",
-            )
-        port_text = get("PORT")
-        port = 465 if security == "ssl" else 587
-        if port_text is not None:
-            try:
-                port = int(port_text)
-            except ValueError:
-                raise ConfigurationError(
-                    "--smtp-port", f"OUTBOX_SMTP_PORT={port_text!r} is not an integer"
-                ) from None
-        timeout_text = get("TIMEOUT")
-        timeout = 20.0
-        if timeout_text is not None:
-            try:
-                timeout = float(timeout_text)
-            except ValueError:
-                raise ConfigurationError(
-                    "--smtp-timeout", f"OUTBOX_SMTP_TIMEOUT={timeout_text!r} is not a number"
-                ) from None
-        # the password is read as given (spaces may be part of it), the rest stripped
-        password = env.get("OUTBOX_SMTP_PASSWORD") or None
-        return cls(
-            host,
-            port,
-            security=security,
-            username=get("USERNAME"),
-            password=password,
-            timeout=timeout,
-        )
+        """An SmtpSender with :meth:`SmtpSettings.from_env` (``OUTBOX_SMTP_*``; the timeout
+        20 seconds unless ``OUTBOX_SMTP_TIMEOUT`` says otherwise)."""
+        return cls(SmtpSettings.from_env(environ))
 
     def __repr__(self) -> str:
         user = "" if self.username is None else f", username={self.username!r}"

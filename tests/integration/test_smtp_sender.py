@@ -35,7 +35,7 @@ from outbox import Attachment, Category, Email, Outbox, Status
 from outbox.schema import attempts, messages
 from relay.config import RelayConfig
 from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
-from relay.senders.smtp import OUTBOX_ID_HEADER, SmtpSender
+from relay.senders.smtp import OUTBOX_ID_HEADER, SmtpSender, SmtpSettings
 from relay.worker import Relay
 
 USER, PASSWORD = "relay-user", "s3cret-pa55word"
@@ -179,7 +179,9 @@ def make_sender():
     def make(port: int, **kw) -> SmtpSender:
         kw.setdefault("security", "none")
         kw.setdefault("timeout", 5.0)
-        sender = SmtpSender("127.0.0.1", port, local_hostname="relay.test", **kw)
+        sender = SmtpSender(
+            SmtpSettings(host="127.0.0.1", port=port, local_hostname="relay.test", **kw)
+        )
         senders.append(sender)
         return sender
 
@@ -619,7 +621,9 @@ def test_connection_refused_is_transient(make_sender):
 
 
 def test_unknown_host_is_transient():
-    sender = SmtpSender("smtp.invalid", 2525, security="none", local_hostname="relay.test")
+    sender = SmtpSender(
+        SmtpSettings(host="smtp.invalid", port=2525, security="none", local_hostname="relay.test")
+    )
     outcome = sender.send(outgoing(1))
     assert isinstance(outcome, Transient)
     assert outcome.code == "smtp_dns_error"

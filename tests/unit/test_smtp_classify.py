@@ -11,7 +11,7 @@ import pytest
 from outbox.exceptions import ConfigurationError
 from relay.senders import Ambiguous, Disabled, Permanent, Sender, Transient
 from relay.senders import smtp as smtp_module
-from relay.senders.smtp import SmtpSender, classify
+from relay.senders.smtp import SmtpSender, SmtpSettings, classify
 
 A = "a@example.com"
 
@@ -230,30 +230,51 @@ def test_messages_carry_the_reply_and_stay_short():
 def test_bad_settings_name_their_flag(kwargs, setting):
     arguments = {"host": "smtp.example.com", **kwargs}
     with pytest.raises(ConfigurationError) as caught:
-        SmtpSender(**arguments)
+        SmtpSettings(**arguments)
     assert caught.value.setting == setting
+
+
+def test_a_sender_takes_settings_not_a_host():
+    with pytest.raises(TypeError, match="SmtpSettings"):
+        SmtpSender("smtp.example.com")
 
 
 def test_a_password_never_shows_in_errors_or_repr():
     with pytest.raises(ConfigurationError) as caught:
-        SmtpSender("smtp.example.com", password="hunter2")
+        SmtpSettings(host="smtp.example.com", password="hunter2")
     assert "hunter2" not in str(caught.value)
-    sender = SmtpSender("smtp.example.com", username="u", password="hunter2")
-    assert "hunter2" not in repr(sender)
+    settings = SmtpSettings(host="smtp.example.com", username="u", password="hunter2")
+    assert "hunter2" not in repr(settings)
+    assert "hunter2" not in repr(SmtpSender(settings))
 
 
 def test_defaults_and_the_sender_protocol():
-    sender = SmtpSender("smtp.example.com")
+    sender = SmtpSender(SmtpSettings(host="smtp.example.com"))
     assert (sender.port, sender.security, sender.timeout) == (587, "starttls", 20.0)
     assert sender.username is None
     assert isinstance(sender, Sender)
     assert sender.name == "smtp"
+    assert sender.max_send_rate() is None
     assert sender.open_connections == 0
     sender.close()  # nothing open: a no-op
 
 
+@pytest.mark.parametrize(
+    ("settings", "port"),
+    [
+        ({"security": "ssl"}, 465),
+        ({"security": "starttls"}, 587),
+        ({"security": "none"}, 587),
+        ({"security": "ssl", "port": 2465}, 2465),
+    ],
+)
+def test_the_default_port_follows_security_however_the_settings_are_made(settings, port):
+    assert SmtpSettings(host="h", **settings).effective_port == port
+    assert SmtpSender(SmtpSettings(host="h", **settings)).port == port
+
+
 def test_from_env_reads_every_variable():
-    sender = SmtpSender.from_env(
+    settings = SmtpSettings.from_env(
         {
             "OUTBOX_SMTP_HOST": "mail.example.com",
             "OUTBOX_SMTP_PORT": "2525",
@@ -263,9 +284,16 @@ def test_from_env_reads_every_variable():
             "OUTBOX_SMTP_TIMEOUT": "7.5",
         }
     )
-    assert (sender.host, sender.port, sender.security) == ("mail.example.com", 2525, "ssl")
-    assert (sender.username, sender.timeout) == ("relay", 7.5)
-    assert sender._password == " spaced secret "
+    assert settings == SmtpSettings(
+        host="mail.example.com",
+        port=2525,
+        security="ssl",
+        username="relay",
+        password=" spaced secret ",
+        timeout=7.5,
+    )
+    sender = SmtpSender.from_env({"OUTBOX_SMTP_HOST": "mail.example.com"})
+    assert sender.settings == SmtpSettings(host="mail.example.com")
 
 
 @pytest.mark.parametrize(("security", "port"), [("ssl", 465), ("starttls", 587), ("none", 587)])
@@ -296,10 +324,10 @@ def test_from_env_treats_empty_variables_as_unset():
 @pytest.mark.parametrize(
     ("env", "setting", "text"),
     [
-        ({}, "--smtp-host", "OUTBOX_SMTP_HOST is not set"),
+        ({}, "--smtp-host", "required (or OUTBOX_SMTP_HOST)"),
         ({"OUTBOX_SMTP_PORT": "smtp"}, "--smtp-port", "OUTBOX_SMTP_PORT='smtp'"),
         ({"OUTBOX_SMTP_PORT": "70000"}, "--smtp-port", "65535"),
-        ({"OUTBOX_SMTP_SECURITY": "tls"}, "--smtp-security", "OUTBOX_SMTP_SECURITY='tls'"),
+        ({"OUTBOX_SMTP_SECURITY": "tls"}, "--smtp-security", "'tls' is not one of"),
         ({"OUTBOX_SMTP_TIMEOUT": "soon"}, "--smtp-timeout", "OUTBOX_SMTP_TIMEOUT='soon'"),
         ({"OUTBOX_SMTP_TIMEOUT": "-1"}, "--smtp-timeout", "positive"),
         ({"OUTBOX_SMTP_USERNAME": "relay"}, "--smtp-password", "--smtp-username"),
