@@ -20,10 +20,8 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.request
 import zipfile
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,9 @@ from outbox.schema import messages
 from outbox.sqlite import enable_savepoints
 from relay.cli import main as cli_main
 from relay.testing import read_deliveries
-from tests.support.relays import FAKE_SENDER, clean_env, wait_for
+from tests.support.relays import FAKE_SENDER, clean_env
+from tests.support.ses import MotoSes, aws_env
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "examples" / "deploy"
@@ -284,60 +284,20 @@ def image(tmp_path_factory) -> Image:
 # -- SES (moto's server) ------------------------------------------------------------------------
 
 
-@dataclass
-class Moto:
-    url: str
-
-    def client(self, service: str) -> Any:
-        import boto3
-
-        return boto3.client(
-            service,
-            endpoint_url=self.url,
-            region_name=REGION,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-
-    def env(self, *, region_variables: tuple[str, ...] = ("AWS_REGION", "AWS_DEFAULT_REGION")):
-        """What a deployment gives the relay to reach SES, pointed at moto."""
-        return {
-            **dict.fromkeys(region_variables, REGION),
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_ENDPOINT_URL_SESV2": self.url,
-            "AWS_CONFIG_FILE": "/nonexistent/aws-config",
-            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
-
-    def sent(self) -> list[dict[str, Any]]:
-        with urllib.request.urlopen(f"{self.url}/moto-api/data.json", timeout=30) as answer:
-            ses = json.load(answer).get("ses", {})
-        return [*ses.get("Message", []), *ses.get("RawMessage", [])]
-
-    def reset(self) -> None:
-        request = urllib.request.Request(f"{self.url}/moto-api/reset", method="POST")
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            answer.read()
-        self.client("ses").verify_email_identity(EmailAddress=SENDER)
-
-
-@pytest.fixture(scope="module")
-def _moto_server() -> Iterator[Moto]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield Moto(f"http://{host}:{port}")
-    server.stop()
-
-
 @pytest.fixture
-def moto(_moto_server) -> Moto:
-    _moto_server.reset()
-    return _moto_server
+def moto(moto: MotoSes) -> MotoSes:
+    """The suite's ``moto`` (emptied), the sender verified in the examples' region too."""
+    moto.verify(SENDER, region=REGION)
+    return moto
+
+
+def ses_env(
+    moto: MotoSes, *, region_variables: tuple[str, ...] = ("AWS_REGION", "AWS_DEFAULT_REGION")
+) -> dict[str, str]:
+    """What a deployment gives the relay to reach SES, pointed at moto: the region in
+    ``region_variables`` only."""
+    regions = {"AWS_REGION", "AWS_DEFAULT_REGION"} - set(region_variables)
+    return {k: v for k, v in aws_env(moto.url, region=REGION).items() if k not in regions}
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -543,7 +503,7 @@ def test_the_init_step_then_the_image_command_deliver_through_ses(image, moto, t
         OUTBOX_EXIT_WHEN_IDLE="1",  # the test's addition: drain the backlog, then exit
         OUTBOX_HTTP_PORT=str(free_port()),
         OUTBOX_POLL_INTERVAL="0.2",
-        **moto.env(),
+        **ses_env(moto),
     )
     migrate = image.run([*DOCKERFILE.entrypoint, "migrate"], env, tmp_path)
     assert migrate.returncode == 0, migrate.stderr
@@ -553,7 +513,7 @@ def test_the_init_step_then_the_image_command_deliver_through_ses(image, moto, t
     relay = image.run([*DOCKERFILE.entrypoint, *DOCKERFILE.cmd], env, tmp_path)
     assert relay.returncode == 0, relay.stderr[-4000:]
 
-    sent = moto.sent()
+    sent = moto.messages()
     assert sorted(m["destinations"]["ToAddresses"][0] for m in sent) == sorted(
         f"c{n}@example.com" for n in range(5)
     )
@@ -563,8 +523,9 @@ def test_the_init_step_then_the_image_command_deliver_through_ses(image, moto, t
 
 
 def test_the_image_takes_the_ses_region_from_AWS_REGION_alone(image, moto, tmp_path):
-    """The contract (DESIGN section 3, the relay's own error message) names AWS_REGION; boto3
-    reads only AWS_DEFAULT_REGION. Fails until build_client reads AWS_REGION too."""
+    """The contract (docs/design.md, "The contract") and the relay's own error message name
+    AWS_REGION; boto3 reads only AWS_DEFAULT_REGION. Fails until build_client reads AWS_REGION
+    too."""
     url = sqlite_url(tmp_path)
     migrate(url)
     enqueue(url, 1)
@@ -572,11 +533,11 @@ def test_the_image_takes_the_ses_region_from_AWS_REGION_alone(image, moto, tmp_p
         OUTBOX_DATABASE_URL=url,
         OUTBOX_EXIT_WHEN_IDLE="1",
         OUTBOX_HTTP_PORT=str(free_port()),
-        **moto.env(region_variables=("AWS_REGION",)),
+        **ses_env(moto, region_variables=("AWS_REGION",)),
     )
     relay = image.run([*DOCKERFILE.entrypoint, *DOCKERFILE.cmd], env, tmp_path)
     assert relay.returncode == 0, relay.stderr[-2000:]
-    assert len(moto.sent()) == 1
+    assert len(moto.messages()) == 1
 
 
 def test_the_healthcheck_passes_while_the_relay_runs_and_fails_once_it_stopped(
@@ -592,7 +553,7 @@ def test_the_healthcheck_passes_while_the_relay_runs_and_fails_once_it_stopped(
         OUTBOX_DATABASE_URL=url,
         OUTBOX_HTTP_PORT=str(free_port()),
         OUTBOX_POLL_INTERVAL="0.2",
-        **moto.env(),
+        **ses_env(moto),
     )
     healthcheck = DOCKERFILE.healthcheck
     assert healthcheck[0] == "python"  # no curl in slim images
@@ -811,7 +772,7 @@ def test_k8s_the_relay_settings_of_the_manifest_start_a_relay(image, moto, tmp_p
     url = sqlite_url(tmp_path)
     migrate(url)
     enqueue(url, 2)
-    ses = {k: v for k, v in moto.env().items() if k not in ("AWS_REGION", "AWS_DEFAULT_REGION")}
+    ses = {k: v for k, v in ses_env(moto).items() if k not in ("AWS_REGION", "AWS_DEFAULT_REGION")}
     env = image.env(
         **{
             **literal_env(relay),  # its region included
@@ -824,7 +785,7 @@ def test_k8s_the_relay_settings_of_the_manifest_start_a_relay(image, moto, tmp_p
     )
     done = image.run([*DOCKERFILE.entrypoint, *relay.get("args", DOCKERFILE.cmd)], env, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert len(moto.sent()) == 2
+    assert len(moto.messages()) == 2
     rows = message_rows(url)
     assert {r.claimed_by for r in rows.values()} == {"shop-5d9c7b6f4-x2x7q"}
     assert Counter(r.status for r in rows.values()) == {"sent": 2}

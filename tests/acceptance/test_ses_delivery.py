@@ -54,17 +54,9 @@ ATTEMPT_OUTCOME = {
 }
 
 
-@pytest.fixture(scope="module")
-def moto():
-    server = MotoSes()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def ses(moto):
     """moto emptied (sender verified again) behind a fault server that passes everything."""
-    moto.reset()
     with FaultServer(moto.url, FaultPlan(seed=6)) as server:
         yield server
 

@@ -34,22 +34,14 @@ from tests.support.relays import (
     spawn,
     wait_for,
 )
-from tests.support.ses import IDENTITY, FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
+from tests.support.ses import IDENTITY, FaultPlan, FaultServer, SendRequest, aws_env
 
 QUIET = ("--poll-interval", "0.2", "--log-level", "WARNING")
-
-
-@pytest.fixture(scope="module")
-def moto():
-    server = MotoSes()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
 def ses(moto):
     """moto emptied (sender verified again) behind a fault server that passes everything."""
-    moto.reset()
     with FaultServer(moto.url, FaultPlan(seed=9)) as server:
         yield server
 

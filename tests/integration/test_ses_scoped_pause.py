@@ -24,22 +24,14 @@ from relay.pause import ACCOUNT, Scope, ScopeKind
 from relay.senders import Disabled, OutgoingMessage
 from relay.senders.ses import SesSender, build_client, pause_scope
 from relay.worker import Relay
-from tests.support.ses import FaultServer, MotoSes, aws_env
+from tests.support.ses import FaultServer, aws_env
 
 OB = Outbox()
 PAUSE = 0.6  # --pause-seconds
 
 
-@pytest.fixture(scope="module")
-def moto():
-    server = MotoSes()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def ses(moto, monkeypatch):
-    moto.reset()
     moto.verify("shop@example.com")
     moto.verify("promo@example.com")
     with FaultServer(moto.url) as server:

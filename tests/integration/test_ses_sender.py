@@ -23,23 +23,15 @@ from outbox.exceptions import ConfigurationError
 from outbox.message import Attachment
 from relay.senders import Accepted, Ambiguous, Disabled, Permanent, Transient
 from relay.senders.ses import SesSender, build_client
-from tests.support.ses import AWS_VARIABLES, FaultPlan, FaultServer, MotoSes, aws_env, outgoing
+from tests.support.ses import AWS_VARIABLES, FaultPlan, FaultServer, aws_env, outgoing
 
 SEND_TIMEOUT = 0.5  # the read timeout of the client under test
 HANG_SECONDS = 2.0  # how long a "hang" holds its answer: well past the read timeout
 
 
-@pytest.fixture(scope="module")
-def moto():
-    server = MotoSes()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def ses(moto):
     """A fresh moto (sender verified, nothing sent) behind a fault server that passes all."""
-    moto.reset()
     with FaultServer(moto.url, FaultPlan(hang_seconds=HANG_SECONDS)) as server:
         yield server
 

@@ -35,7 +35,6 @@ from tests.reliability.ledger import (
     Summary,
     run,
 )
-from tests.support.ses import MotoSes
 from tests.unit.test_message import INVALID, make
 
 RELAYS = 3
@@ -44,13 +43,6 @@ RESTART_ENV = {"postgresql": "OUTBOX_TEST_POSTGRES_RESTART", "mysql": "OUTBOX_TE
 # share of the same run without: never below this
 XMIN_FACTOR = 0.5
 XMIN_MESSAGES = 10_000
-
-
-@pytest.fixture(scope="module")
-def moto():
-    server = MotoSes()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -124,15 +124,15 @@ _HOP_BY_HOP = frozenset(
 )
 
 
-def aws_env(endpoint_url: str) -> dict[str, str]:
-    """The environment a relay process needs to reach ``endpoint_url`` as SES v2, and only it
-    (no profile or config file of the machine, no instance metadata lookups).
+def aws_env(endpoint_url: str, *, region: str = REGION) -> dict[str, str]:
+    """The environment a relay process needs to reach ``endpoint_url`` as SES v2 in ``region``,
+    and only it (no profile or config file of the machine, no instance metadata lookups).
 
     Both region variables: botocore (1.44) reads only ``AWS_DEFAULT_REGION``, while other AWS
     SDKs, and ``build_client``'s own error message, name ``AWS_REGION``."""
     return {
-        "AWS_REGION": REGION,
-        "AWS_DEFAULT_REGION": REGION,
+        "AWS_REGION": region,
+        "AWS_DEFAULT_REGION": region,
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_ENDPOINT_URL_SESV2": endpoint_url,
@@ -191,21 +191,22 @@ class MotoSes:
         self.url = f"http://{host}:{port}"
         self.verify()
 
-    def client(self, service: str = "sesv2") -> Any:
+    def client(self, service: str = "sesv2", *, region: str = REGION) -> Any:
+        """A boto3 client of ``service`` in ``region``, straight to moto."""
         return boto3.client(
             service,
             endpoint_url=self.url,
-            region_name=REGION,
+            region_name=region,
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
         )
 
-    def verify(self, identity: str = IDENTITY) -> None:
-        """Verify an email address or a domain. moto, like SES, refuses mail whose sender is
-        neither a verified address nor in a verified domain; the email identity
-        ``shop@example.com`` covers "Shop <shop@example.com>" (the display name is parsed
-        away), as the domain ``example.com`` would."""
-        ses = self.client("ses")
+    def verify(self, identity: str = IDENTITY, *, region: str = REGION) -> None:
+        """Verify an email address or a domain in ``region``. moto, like SES, refuses mail
+        whose sender is neither a verified address nor in a verified domain of the region it
+        is sent in; the email identity ``shop@example.com`` covers "Shop <shop@example.com>"
+        (the display name is parsed away), as the domain ``example.com`` would."""
+        ses = self.client("ses", region=region)
         if "@" in identity:
             ses.verify_email_identity(EmailAddress=identity)
         else:
