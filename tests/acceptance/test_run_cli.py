@@ -3,9 +3,11 @@ a SQLite quick run delivers its backlog."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -38,6 +40,8 @@ FLAGS = (
     "--log-level",
 )
 
+PROJECT = str(Path(cli.__file__).resolve().parents[1])  # the relay this test imports
+
 
 def relay(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -65,6 +69,8 @@ def refusal(done: subprocess.CompletedProcess[str]) -> str:
     return errors[0]
 
 
+SMTP = {"--sender": "smtp", "--smtp-host": "mail.example.com"}
+
 # (flags and values, the flag the refusal must name). The database URL defaults to a SQLite
 # file that must still not exist afterwards: a refused start never connects.
 BAD_SETTINGS = {
@@ -89,6 +95,12 @@ BAD_SETTINGS = {
     "sender-unknown-name": ({"--sender": "nosuch"}, "--sender"),
     "sender-missing-module": ({"--sender": "nosuch.module:x"}, "--sender"),
     "sender-missing-factory": ({"--sender": "relay.testing:nosuch"}, "--sender"),
+    "smtp-host-missing": ({"--sender": "smtp"}, "--smtp-host"),
+    "smtp-port-zero": ({**SMTP, "--smtp-port": "0"}, "--smtp-port"),
+    "smtp-security-unknown": ({**SMTP, "--smtp-security": "tls"}, "--smtp-security"),
+    "smtp-username-alone": ({**SMTP, "--smtp-username": "relay"}, "--smtp-password"),
+    "smtp-timeout-zero": ({**SMTP, "--smtp-timeout": "0"}, "--smtp-timeout"),
+    "smtp-timeout-past-send-timeout": ({**SMTP, "--smtp-timeout": "30"}, "--smtp-timeout"),
     "log-level-unknown": ({"--log-level": "LOUD"}, "--log-level"),
     "database-url-not-a-url": ({"--database-url": "notaurl"}, "--database-url"),
     "database-url-unsupported": ({"--database-url": "oracle://x/y"}, "--database-url"),
@@ -161,6 +173,60 @@ def test_a_sender_factory_that_cannot_make_a_sender_is_refused(sender, tmp_path)
         assert sender in line
         row = message_rows(engine)[waiting]
         assert (row.status, row.attempt_count) == ("pending", 0)  # not parked as unknown_outcome
+    finally:
+        engine.dispose()
+
+
+SEND_ONLY = """
+from relay.senders import Accepted
+
+
+class Plain:
+    def send(self, message):
+        return Accepted(provider_message_id=f"plain-{message.id}")
+
+
+def factory():
+    return Plain()
+"""
+
+
+def test_a_factory_returning_an_object_with_only_send_delivers_with_the_defaults(tmp_path):
+    """name, close and max_send_rate come from BaseSender: the metrics endpoint names the
+    class, --max-send-rate auto finds no account rate, the exit closes nothing."""
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    assert relay("migrate", "--database-url", url).returncode == 0
+    (tmp_path / "plainsender.py").write_text(SEND_ONLY)
+    engine = sa.create_engine(url)
+    enable_savepoints(engine)
+    try:
+        ids = enqueue(engine, 3)
+        done = relay(
+            "run",
+            "--database-url",
+            url,
+            "--sender",
+            "plainsender:factory",
+            "--exit-when-idle",
+            "--poll-interval",
+            "0.1",
+            "--max-send-rate",
+            "auto",
+            "--http-port",
+            "0",
+            "--http-host",
+            "127.0.0.1",
+            timeout=60,
+            PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
+        )
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+        assert "the sender reports no account rate" in done.stderr
+        rows = message_rows(engine)
+        assert {row.status for row in rows.values()} == {"sent"}
+        assert {i: row.provider_message_id for i, row in rows.items()} == {
+            i: f"plain-{i}" for i in ids
+        }
     finally:
         engine.dispose()
 
