@@ -1,5 +1,6 @@
 """The five benchmarks. Each returns result rows: a value, the baseline measured in the same
-run, their ratio and whether the DESIGN.md target is met (None where no target applies)."""
+run, their ratio and whether its target (docs/design.md, "Performance targets") is met (None
+where no target applies)."""
 
 from __future__ import annotations
 
