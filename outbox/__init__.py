@@ -16,13 +16,14 @@ from outbox.exceptions import (
     UnknownCategory,
 )
 from outbox.message import Attachment, Email
-from outbox.schema import AmbiguityPolicy, Status
+from outbox.schema import AmbiguityPolicy, AttemptOutcome, RelayState, Status
 from outbox.session import Outbox
 
 __all__ = [
     "NOTIFY_CHANNEL",
     "AmbiguityPolicy",
     "Attachment",
+    "AttemptOutcome",
     "Category",
     "ConfigurationError",
     "Email",
@@ -37,6 +38,7 @@ __all__ = [
     "Outbox",
     "OutboxError",
     "RecipientCountError",
+    "RelayState",
     "Status",
     "UnknownCategory",
 ]

@@ -1,4 +1,6 @@
-"""The outbox tables, their indexes, and the ``Status`` enum: the one place statuses are defined.
+"""The outbox tables, their indexes, and the enums of the values they store: the one place
+statuses (``Status``), relay states (``RelayState``) and attempt outcomes (``AttemptOutcome``)
+are defined.
 
 The tables live on their own :data:`metadata` so they never mix with the host app's declarative
 base. Host apps create them through the bundled alembic migrations (see
@@ -19,6 +21,8 @@ __all__ = [
     "CLAIMABLE",
     "TERMINAL",
     "AmbiguityPolicy",
+    "AttemptOutcome",
+    "RelayState",
     "Status",
     "UTCDateTime",
     "attempts",
@@ -50,6 +54,48 @@ class AmbiguityPolicy(enum.StrEnum):
     HOLD = "hold"  # at most once: park as unknown_outcome for an operator
     RESEND = "resend"  # at least once: retry; a duplicate is better than a loss
 
+
+class RelayState(enum.StrEnum):
+    """What a relay says it is doing, in its ``outbox_relays`` row (and the
+    ``outbox_relay_health`` view)."""
+
+    RUNNING = "running"  # claiming and sending
+    PAUSED = "paused"  # all sending paused (the account); probing until it works again
+    DRAINING = "draining"  # stopping: claims nothing more, finishes the sends in flight
+    STOPPED = "stopped"  # exited cleanly; its relay id is free
+
+
+class AttemptOutcome(enum.StrEnum):
+    """What one attempt found, as stored in ``outbox_attempts.outcome`` and carried by the
+    relay's signals. A finalize whose claim was gone is recorded in its ``stale:`` form
+    (:attr:`stale`)."""
+
+    ACCEPTED = "accepted"  # the provider took it
+    TRANSIENT = "transient"  # a failure worth retrying
+    PERMANENT = "permanent"  # refused for good
+    AMBIGUOUS = "ambiguous"  # the send may or may not have happened
+    DISABLED = "disabled"  # sending is off (paused, quota); given back, no attempt counted
+    INVALID_PAYLOAD = "invalid_payload"  # the row's payload is not an email; never sent
+    LEASE_EXPIRED = "lease_expired"  # a sweep settled a send whose relay stopped renewing
+    REQUEUED = "requeued"  # an operator's requeue
+    CANCELLED = "cancelled"  # an operator's cancel
+    STALE_ACCEPTED = "stale:accepted"  # accepted, saved after its claim was gone
+    STALE_TRANSIENT = "stale:transient"  # transient, saved after its claim was gone
+    STALE_PERMANENT = "stale:permanent"  # permanent, saved after its claim was gone
+    STALE_AMBIGUOUS = "stale:ambiguous"  # ambiguous, saved after its claim was gone
+    STALE_DISABLED = "stale:disabled"  # disabled, saved after its claim was gone
+    STALE_INVALID_PAYLOAD = "stale:invalid_payload"  # invalid payload, its claim gone
+
+    @property
+    def stale(self) -> AttemptOutcome:
+        """This outcome as recorded by a finalize whose claim no longer held the row
+        (``ValueError`` for the sweep's and operators' outcomes, which are never stale)."""
+        if self.value.startswith(_STALE):
+            return self
+        return AttemptOutcome(_STALE + self.value)
+
+
+_STALE = "stale:"
 
 CLAIMABLE = (Status.PENDING, Status.RETRYING)
 TERMINAL = (Status.SENT, Status.FAILED, Status.CANCELLED, Status.EXPIRED)

@@ -20,7 +20,7 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from outbox.schema import Status, utcnow
+from outbox.schema import TERMINAL, AttemptOutcome, Status, utcnow
 from relay import store
 from relay.cli_options import database_url, first_line, open_database, option
 from relay.clock import read_database_time
@@ -399,7 +399,7 @@ def _change(
     as_json: bool,
     *,
     verb: str,
-    done_as: str,
+    done_as: AttemptOutcome,
     allowed: Sequence[str],
     apply: Callable[..., list[int]],
 ) -> None:
@@ -462,7 +462,7 @@ def _in_batches(
     *,
     by_id: bool,
     verb: str,
-    done_as: str,
+    done_as: AttemptOutcome,
     apply: Callable[..., list[int]],
 ) -> list[int]:
     """The ids changed, batch by batch in id order. Stopped part way, it says how far it got:
@@ -515,7 +515,11 @@ def _in_batches(
 
 
 def _committed(
-    engine: sa.Engine, ids: Sequence[int], operator: str, done_as: str, since: datetime
+    engine: sa.Engine,
+    ids: Sequence[int],
+    operator: str,
+    done_as: AttemptOutcome,
+    since: datetime,
 ) -> bool | None:
     """Whether a batch whose COMMIT was interrupted landed: its operator attempt rows commit
     with it, so they exist exactly if it did. None if the database cannot say (gone)."""
@@ -536,7 +540,11 @@ def _why_stopped(exc: BaseException) -> str:
 
 
 def _operator_attempt(
-    message_id: int, now: datetime, operator: str, done_as: str, reason: str | None
+    message_id: int,
+    now: datetime,
+    operator: str,
+    done_as: AttemptOutcome,
+    reason: str | None,
 ) -> store.AttemptRecord:
     return store.AttemptRecord(
         message_id=message_id,
@@ -575,7 +583,7 @@ def requeue(
     _change(
         database_url, ids, filters, yes, reason, as_json,
         verb="requeue",
-        done_as="requeued",
+        done_as=AttemptOutcome.REQUEUED,
         allowed=(Status.UNKNOWN_OUTCOME.value, Status.FAILED.value),
         apply=store.requeue_many,
     )  # fmt: skip
@@ -598,7 +606,7 @@ def cancel(
     _change(
         database_url, ids, filters, yes, reason, as_json,
         verb="cancel",
-        done_as="cancelled",
+        done_as=AttemptOutcome.CANCELLED,
         allowed=(Status.PENDING.value, Status.RETRYING.value),
         apply=store.cancel_many,
     )  # fmt: skip
@@ -616,7 +624,7 @@ def _span(value: timedelta) -> str:
 
 
 def _prunable(cutoff: datetime) -> store.Filter:
-    return store.Filter(statuses=store.PRUNABLE, created_before=cutoff, changed_before=cutoff)
+    return store.Filter(statuses=TERMINAL, created_before=cutoff, changed_before=cutoff)
 
 
 @click.command()

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import sqlalchemy as sa
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from outbox.schema import RelayState
 from relay.metrics import RelayMetrics
 from relay.worker import Relay
 
@@ -122,7 +123,7 @@ class _App:
         if loop_at is None:  # before the first pass: alive while it tries to reach the database
             loop_at = self.relay.waiting_at
         if loop_at is None:
-            reason = "stopped" if self.relay.state == "draining" else "starting"
+            reason = "stopped" if self.relay.state is RelayState.DRAINING else "starting"
             return _unavailable(reason)
         stalled = time.monotonic() - loop_at
         if stalled > self.stall_seconds:
@@ -131,7 +132,7 @@ class _App:
 
     def readyz(self) -> tuple[int, str, bytes]:
         relay = self.relay
-        if relay.state == "draining":
+        if relay.state is RelayState.DRAINING:
             return _unavailable("draining")
         if relay.paused:
             return _unavailable(f"paused: {relay.pause_code}")

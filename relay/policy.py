@@ -1,16 +1,17 @@
 """What to do with a message after an attempt: a pure function from outcome to decision.
 
-``decide`` never touches the database or the clock; the worker applies its decision through
+``decide`` never touches the database or the clock, and draws its jitter from the random
+source it is given, so one seed gives one decision; the worker applies its decision through
 one guarded statement of :mod:`relay.store`.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-
-from tenacity import RetryCallState, wait_random_exponential
 
 from outbox.schema import AmbiguityPolicy
 from relay.senders import Accepted, Ambiguous, Disabled, Outcome, Permanent, Transient
@@ -60,32 +61,37 @@ class MessageState:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Decision:
+    """The transition for a message, and what its row records: the retry's due time, the
+    error code and text, the provider's message id."""
+
     action: Action
     next_attempt_at: datetime | None = None
     code: str | None = None
     message: str | None = None
     provider_message_id: str | None = None
 
-    @property
-    def counts_attempt(self) -> bool:
-        return self.action is not Action.RELEASE
 
-
-def backoff_seconds(attempt: int, base: float, cap: float, floor: float = 0.0) -> float:
-    """Full-jitter exponential backoff: uniform between ``floor`` and
-    ``min(cap, base * 2 ** (attempt - 1))`` (tenacity's ``wait_random_exponential``)."""
-    wait = wait_random_exponential(multiplier=base, max=max(cap, floor), min=floor)
-    state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
-    state.attempt_number = max(1, attempt)
-    return float(wait(state))
+def backoff_seconds(
+    attempt: int, base: float, cap: float, floor: float, rng: random.Random
+) -> float:
+    """Full-jitter exponential backoff: uniform (drawn from ``rng``) between ``floor`` and
+    ``min(cap, base * 2 ** (attempt - 1))``, or ``floor`` itself when that is above it.
+    Attempt 0 counts as the first."""
+    try:
+        ceiling = min(cap, math.ldexp(base, max(1, attempt) - 1))
+    except OverflowError:  # 2 ** (attempt - 1) beyond a float: the cap
+        ceiling = cap
+    return rng.uniform(floor, max(floor, ceiling))
 
 
 def decide(
     outcome: Outcome | LeaseExpired,
     state: MessageState,
     now: datetime,
+    rng: random.Random,
 ) -> Decision:
-    """The decision for ``outcome`` of attempt number ``state.attempt_count + 1``."""
+    """The decision for ``outcome`` of attempt number ``state.attempt_count + 1``; a retry's
+    jitter is drawn from ``rng``."""
     attempt = state.attempt_count + 1
     match outcome:
         case Accepted(provider_message_id=provider_id, refused=()):
@@ -112,7 +118,7 @@ def decide(
                     message=f"{attempt} attempts exhausted; last: {message}".strip(),
                 )
             floor = max(after or 0.0, THROTTLE_FLOOR_SECONDS if throttled else 0.0)
-            delay = backoff_seconds(attempt, state.backoff_base, state.backoff_cap, floor)
+            delay = backoff_seconds(attempt, state.backoff_base, state.backoff_cap, floor, rng)
             return Decision(
                 action=Action.RETRY,
                 next_attempt_at=now + timedelta(seconds=delay),
@@ -120,7 +126,7 @@ def decide(
                 message=message,
             )
         case Ambiguous(code=code, message=message):
-            return _ambiguous(code, message, state, attempt, now)
+            return _ambiguous(code, message, state, attempt, now, rng)
         case LeaseExpired(send_started=True):
             return _ambiguous(
                 "lease_expired_after_send_started",
@@ -128,17 +134,23 @@ def decide(
                 state,
                 attempt,
                 now,
+                rng,
             )
     raise TypeError(f"not an outcome: {outcome!r}")
 
 
 def _ambiguous(
-    code: str, message: str, state: MessageState, attempt: int, now: datetime
+    code: str,
+    message: str,
+    state: MessageState,
+    attempt: int,
+    now: datetime,
+    rng: random.Random,
 ) -> Decision:
     """Hold (at most once) or retry (at least once, while attempts remain)."""
     if state.ambiguity_policy is AmbiguityPolicy.HOLD or attempt >= state.max_attempts:
         return Decision(action=Action.HOLD, code=code, message=message)
-    delay = backoff_seconds(attempt, state.backoff_base, state.backoff_cap)
+    delay = backoff_seconds(attempt, state.backoff_base, state.backoff_cap, 0.0, rng)
     return Decision(
         action=Action.RETRY,
         next_attempt_at=now + timedelta(seconds=delay),

@@ -5,9 +5,10 @@ Receivers get the :class:`~relay.worker.Relay` as sender and keyword arguments
 They fire after the transition committed, from the relay's main thread.
 
 The signals sent when a send or sweep is finalized (``sent``, ``retry_scheduled``, ``failed``,
-``unknown_outcome``, ``released``, ``stale_finalize``) also carry ``outcome`` (what the attempt
-found: ``accepted``, ``transient``, ``permanent``, ``ambiguous``, ``disabled``,
-``invalid_payload``, ``lease_expired`` for the sweep; None for a claim given back unstarted) and
+``unknown_outcome``, ``released``, ``stale_finalize``) also carry ``outcome``: what the attempt
+found, an :class:`~outbox.AttemptOutcome` (``accepted``, ``transient``, ``permanent``,
+``ambiguous``, ``disabled``, ``invalid_payload``, ``lease_expired`` for the sweep; never a
+``stale:`` form, ``stale_finalize`` says that), or None for a claim given back unstarted; and
 ``duration`` (seconds the provider call took; None when there was no call). Receivers should
 accept ``**kwargs``: more may be added.
 """

@@ -17,6 +17,7 @@ The rules that keep the relay safe live here:
 from __future__ import annotations
 
 import functools
+import random
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ from sqlalchemy.sql.dml import ReturningUpdate
 from outbox.migrations import VIEWS
 from outbox.schema import (
     CLAIMABLE,
+    TERMINAL,
     AmbiguityPolicy,
+    AttemptOutcome,
+    RelayState,
     Status,
     UTCDateTime,
     attempts,
@@ -176,7 +180,7 @@ class AttemptRecord:
     relay_id: str | None
     started_at: datetime | None
     finished_at: datetime
-    outcome: str
+    outcome: AttemptOutcome
     error_code: str | None = None
     error_message: str | None = None
     provider_message_id: str | None = None
@@ -809,7 +813,7 @@ def sweep_candidates(
 
 
 def sweep_expired_leases(
-    conn: sa.Connection, *, now: datetime, relay_id: str, limit: int = 500
+    conn: sa.Connection, *, now: datetime, relay_id: str, rng: random.Random, limit: int = 500
 ) -> list[tuple[StaleLease, Decision]]:
     """sweep_expired_leases -- Settle processing rows whose lease ran out before ``now``.
 
@@ -818,12 +822,12 @@ def sweep_expired_leases(
     (``resend``), with a ``lease_expired`` attempt recorded under the claim that made it. Each
     row is moved by its own guarded UPDATE (claim token, and lease still expired), so a relay
     that renews its lease in between keeps its row, and racing sweeps are harmless. Returns
-    the rows this call moved, with the decision applied.
+    the rows this call moved, with the decision applied. ``rng`` draws the retries' jitter.
     """
     swept: list[tuple[StaleLease, Decision]] = []
     for lease in sweep_candidates(conn, now=now, limit=limit):
         started = lease.send_started_at is not None
-        decision = decide(LeaseExpired(send_started=started), lease.claim.state, now)
+        decision = decide(LeaseExpired(send_started=started), lease.claim.state, now, rng)
         if apply_decision(conn, lease.claim, decision, now, expired_before=now):
             swept.append((lease, decision))
     record_attempts(
@@ -835,7 +839,7 @@ def sweep_expired_leases(
                 relay_id=lease.claimed_by,
                 started_at=lease.send_started_at,
                 finished_at=now,
-                outcome="lease_expired",
+                outcome=AttemptOutcome.LEASE_EXPIRED,
                 error_code=decision.code,
                 error_message=f"swept by {relay_id}",
             )
@@ -923,7 +927,12 @@ def cancel_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> li
 
 
 def attempted_by(
-    conn: sa.Connection, *, ids: Sequence[int], relay_id: str, outcome: str, since: datetime
+    conn: sa.Connection,
+    *,
+    ids: Sequence[int],
+    relay_id: str,
+    outcome: AttemptOutcome,
+    since: datetime,
 ) -> list[int]:
     """The ids among ``ids`` with an attempt row by ``relay_id`` with ``outcome``, finished at
     or after ``since``: how an operator command learns whether a batch's COMMIT landed."""
@@ -957,10 +966,6 @@ class Filter:
     created_before: datetime | None = None
     created_after: datetime | None = None
     changed_before: datetime | None = None
-
-    @property
-    def is_bulk(self) -> bool:
-        return not self.ids
 
 
 def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
@@ -1048,14 +1053,11 @@ def statuses_of(conn: sa.Connection, ids: Sequence[int]) -> dict[int, str]:
     return found
 
 
-PRUNABLE = (Status.SENT.value, Status.FAILED.value, Status.CANCELLED.value, Status.EXPIRED.value)
-
-
 def prune_batch(conn: sa.Connection, *, before: datetime, limit: int) -> int:
     """prune -- Delete up to ``limit`` finished messages (and their attempts) created and last
     changed before ``before``. unknown_outcome rows are never pruned: they await an operator.
     """
-    old = Filter(statuses=PRUNABLE, created_before=before, changed_before=before)
+    old = Filter(statuses=TERMINAL, created_before=before, changed_before=before)
     ids = list(
         conn.execute(
             sa.select(m.c.id)
@@ -1068,7 +1070,7 @@ def prune_batch(conn: sa.Connection, *, before: datetime, limit: int) -> int:
     if not ids:
         return 0
     conn.execute(sa.delete(attempts).where(attempts.c.message_id.in_(ids)))
-    result = conn.execute(sa.delete(m).where(m.c.id.in_(ids), m.c.status.in_(PRUNABLE)))
+    result = conn.execute(sa.delete(m).where(m.c.id.in_(ids), m.c.status.in_(TERMINAL)))
     return int(result.rowcount)
 
 
@@ -1120,7 +1122,7 @@ def read_view(conn: sa.Connection, name: str) -> list[dict[str, Any]]:
 # -- relays ------------------------------------------------------------------------------
 
 
-LIVE_STATES = ("running", "paused", "draining")
+LIVE_STATES = (RelayState.RUNNING, RelayState.PAUSED, RelayState.DRAINING)
 
 
 def register(
@@ -1135,7 +1137,13 @@ def register(
     two inserting a new id at once make the later insert fail on the key (an
     ``IntegrityError``: look again).
     """
-    values = {"host": host, "pid": pid, "started_at": now, "heartbeat_at": now, "state": "running"}
+    values = {
+        "host": host,
+        "pid": pid,
+        "started_at": now,
+        "heartbeat_at": now,
+        "state": RelayState.RUNNING.value,
+    }
     dead = sa.or_(
         relays.c.state.not_in(LIVE_STATES),
         relays.c.heartbeat_at < now - timedelta(seconds=dead_after),
@@ -1164,7 +1172,7 @@ class RelayHolder:
     host: str
     pid: int
     heartbeat_at: datetime
-    state: str
+    state: str  # as read: a relay of another release may write a state this one lacks
 
 
 def _held(relay_id: str, host: str, pid: int, started_at: datetime) -> sa.ColumnElement[bool]:
@@ -1185,7 +1193,7 @@ def heartbeat_held(
     pid: int,
     started_at: datetime,
     now: datetime,
-    state: str,
+    state: RelayState,
 ) -> bool:
     """heartbeat -- The relay is alive, in ``state``, on the row it registered at
     ``started_at``. False if that row is gone or was taken over (this relay looked dead)."""
@@ -1204,7 +1212,7 @@ def stop_held(
     conn.execute(
         sa.update(relays)
         .where(_held(relay_id, host, pid, started_at))
-        .values(heartbeat_at=now, state="stopped")
+        .values(heartbeat_at=now, state=RelayState.STOPPED.value)
     )
 
 

@@ -36,6 +36,7 @@ from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
 from outbox.exceptions import ConfigurationError
 from outbox.message import Email
+from outbox.schema import AttemptOutcome, RelayState
 from outbox.schema import metadata as outbox_metadata
 from relay import signals, store
 from relay.clock import DatabaseClock
@@ -68,12 +69,12 @@ STUCK_RETRY = 30.0  # seconds between tries to save a finished send that could n
 # finished send unsaveable
 _CODE_CHARS, _ID_CHARS, _TEXT_CHARS = 100, 255, 4000
 
-_OUTCOME_NAMES: dict[type, str] = {
-    Accepted: "accepted",
-    Transient: "transient",
-    Permanent: "permanent",
-    Ambiguous: "ambiguous",
-    Disabled: "disabled",
+_OUTCOME_NAMES: dict[type, AttemptOutcome] = {
+    Accepted: AttemptOutcome.ACCEPTED,
+    Transient: AttemptOutcome.TRANSIENT,
+    Permanent: AttemptOutcome.PERMANENT,
+    Ambiguous: AttemptOutcome.AMBIGUOUS,
+    Disabled: AttemptOutcome.DISABLED,
 }
 _SIGNALS: dict[Action, NamedSignal] = {
     Action.SENT: signals.sent,
@@ -153,14 +154,18 @@ class Relay:
         sender: Sender,
         config: RelayConfig,
         clock: Callable[[], datetime] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
-        """``clock`` replaces the database's clock (tests that move time by hand)."""
+        """``clock`` replaces the database's clock (tests that move time by hand); ``rng``,
+        the random source of every jitter (retry backoff, polling, reconnecting), a seeded one
+        for a replayable run."""
         self.engine = engine
         self.sender = sender
         self.config = config
         self._db_clock = DatabaseClock() if clock is None else None
         self.clock: Callable[[], datetime] = clock if clock is not None else self._db_clock  # type: ignore[assignment]
         self.relay_id = config.relay_id
+        self._rng = rng if rng is not None else random.Random()
         self.rate = RateController(self._total_rate())
         # the send budget all relays share; without --max-send-rate it is never touched
         self.limiter = SendBudget(self.rate, clock=lambda: self.clock())
@@ -186,7 +191,7 @@ class Relay:
         self._conn: sa.Connection | None = None  # the loop's own, kept between passes
         self._db_failures = 0
         self.set_aside = 0  # finished sends that could not be saved (see _save_alone)
-        self.state = "running"
+        self.state = RelayState.RUNNING
         self.loop_at: float | None = None  # monotonic time of the loop's last pass, in run()
         # monotonic time of the last try to reach the database before the loop's first pass
         self.waiting_at: float | None = None
@@ -622,7 +627,7 @@ class Relay:
             if flight.future.done():
                 del self._in_flight[key]
                 outcome, duration = flight.future.result()
-                decision = _fitted(decide(outcome, flight.claim.state, now))
+                decision = _fitted(decide(outcome, flight.claim.state, now, self._rng))
                 if isinstance(outcome, Disabled) and outcome.pause and outcome.scope != ACCOUNT:
                     # only this scope is paused: its message steps back in line until its probe
                     later = now + timedelta(seconds=self.config.pause_seconds)
@@ -726,7 +731,7 @@ class Relay:
             probe, paused=still, informative=not isinstance(outcome, Disabled) or still
         ):
             if probe == ACCOUNT:
-                self.state = "running"
+                self.state = RelayState.RUNNING
                 self._last_heartbeat = 0.0  # show the resumption in outbox_relays at once
             log.warning(
                 "sending works again; resuming (%s)",
@@ -748,7 +753,7 @@ class Relay:
             },
         )
         if scope == ACCOUNT:
-            self.state = "paused"
+            self.state = RelayState.PAUSED
             self._last_heartbeat = 0.0  # show the pause in outbox_relays at once
             self._release_ready()
         elif self._ready:
@@ -808,9 +813,15 @@ class Relay:
             return False
         self._last_sweep = mono
         with self._transaction() as conn:
-            swept = store.sweep_expired_leases(conn, now=now, relay_id=self.relay_id)
+            swept = store.sweep_expired_leases(conn, now=now, relay_id=self.relay_id, rng=self._rng)
         for lease, decision in swept:
-            self._announce(lease.claim, decision, applied=True, swept=True, outcome="lease_expired")
+            self._announce(
+                lease.claim,
+                decision,
+                applied=True,
+                swept=True,
+                outcome=AttemptOutcome.LEASE_EXPIRED,
+            )
         return bool(swept)
 
     def _expire(self, now: datetime) -> None:
@@ -939,7 +950,7 @@ class Relay:
     def _drain(self) -> None:
         """Stop claiming, give back unstarted claims, let sends in flight finish and finalize
         them within ``drain_seconds``."""
-        self.state = "draining"
+        self.state = RelayState.DRAINING
         deadline = time.monotonic() + self.config.drain_seconds
         log.info(
             "draining",
@@ -1012,7 +1023,7 @@ class Relay:
         elif (probe_in := self.pauses.next_probe_in()) is not None:
             timeout = max(0.005, min(self.config.poll_interval, probe_in))
         else:
-            timeout = self.config.poll_interval * random.uniform(0.8, 1.2)
+            timeout = self.config.poll_interval * self._rng.uniform(0.8, 1.2)
         self._wake.wait(timeout)
         self._wake.clear()
 
@@ -1074,7 +1085,7 @@ class Relay:
         """Jittered exponential, at most a heartbeat interval: after an outage every relay is
         back within one, before anyone's sweep (which waits two) can take its sends."""
         cap = min(30.0, self.config.heartbeat_interval)
-        return min(cap, 0.25 * 2.0 ** min(self._db_failures, 8)) * random.uniform(0.5, 1.0)
+        return min(cap, 0.25 * 2.0 ** min(self._db_failures, 8)) * self._rng.uniform(0.5, 1.0)
 
     def _announce(
         self,
@@ -1084,7 +1095,7 @@ class Relay:
         applied: bool,
         swept: bool = False,
         duration: float | None = None,
-        outcome: str | None = None,
+        outcome: AttemptOutcome | None = None,
     ) -> None:
         extra = {
             "action": _LOG_ACTIONS[decision.action] if applied else "stale_finalize",
@@ -1169,8 +1180,8 @@ def _fitted(decision: Decision) -> Decision:
     return dataclasses.replace(decision, code=code, message=text, provider_message_id=provider_id)
 
 
-def _outcome_name(outcome: Outcome | None) -> str:
-    return "invalid_payload" if outcome is None else _OUTCOME_NAMES[type(outcome)]
+def _outcome_name(outcome: Outcome | None) -> AttemptOutcome:
+    return AttemptOutcome.INVALID_PAYLOAD if outcome is None else _OUTCOME_NAMES[type(outcome)]
 
 
 def _attempt(done: _Done, relay_id: str, *, stale: bool) -> store.AttemptRecord:
@@ -1181,7 +1192,7 @@ def _attempt(done: _Done, relay_id: str, *, stale: bool) -> store.AttemptRecord:
         relay_id=relay_id,
         started_at=done.started_at,
         finished_at=done.finished_at,
-        outcome=f"stale:{name}" if stale else name,
+        outcome=name.stale if stale else name,
         error_code=done.decision.code,
         error_message=done.decision.message,
         provider_message_id=done.decision.provider_message_id,

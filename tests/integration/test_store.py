@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import random
 import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -31,6 +32,7 @@ from relay.senders import Accepted, Ambiguous, Disabled, Permanent, Transient
 T0 = datetime(2099, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = 60.0
 RELAY = "relay-a"
+RNG = random.Random(16)
 
 OB = Outbox(
     categories=[
@@ -142,7 +144,7 @@ def settle(engine: sa.Engine, claim: store.Claim, decision: Decision, now: datet
 def sweep(engine: sa.Engine, now: datetime) -> list[tuple[store.StaleLease, Decision]]:
     """The relay's sweep, as one of its ticks runs it; returns the rows it moved."""
     with engine.begin() as conn:
-        return store.sweep_expired_leases(conn, now=now, relay_id="sweeper")
+        return store.sweep_expired_leases(conn, now=now, relay_id="sweeper", rng=RNG)
 
 
 def attempt_rows(engine: sa.Engine) -> list[sa.Row[Any]]:
@@ -172,7 +174,7 @@ def make(engine: sa.Engine, status: Status) -> int:
         Status.FAILED: Permanent(code="MessageRejected"),
         Status.UNKNOWN_OUTCOME: Ambiguous(code="ReadTimeout"),
     }[status]
-    assert settle(engine, c, decide(outcome, c.state, at(2)), at(2))
+    assert settle(engine, c, decide(outcome, c.state, at(2), RNG), at(2))
     assert row(engine, mid).status == status
     return mid
 
@@ -288,10 +290,12 @@ def test_an_open_claim_does_not_block_another_relays_finalize(server_backend, ra
         with two.begin():
             now = at(3)
             sent = Accepted(provider_message_id="ses-b")
-            assert store.apply_decision(two, done, decide(sent, done.state, now), now)
+            assert store.apply_decision(two, done, decide(sent, done.state, now, RNG), now)
         with two.begin():
             now = at(LEASE + 2)
-            ((lease, decision),) = store.sweep_expired_leases(two, now=now, relay_id="relay-b")
+            ((lease, decision),) = store.sweep_expired_leases(
+                two, now=now, relay_id="relay-b", rng=RNG
+            )
             assert (lease.claim.id, decision.action) == (stale.id, Action.HOLD)
     assert row(server_backend.engine, done.id).status == Status.SENT
     assert row(server_backend.engine, stale.id).status == Status.UNKNOWN_OUTCOME
@@ -314,10 +318,10 @@ def test_a_sweep_skips_a_row_another_transaction_holds_instead_of_waiting(
                 sa.update(messages).where(messages.c.id == held.id).values(updated_at=at(2))
             )
             with sweeper.begin():
-                swept = store.sweep_expired_leases(sweeper, now=now, relay_id="relay-b")
+                swept = store.sweep_expired_leases(sweeper, now=now, relay_id="relay-b", rng=RNG)
             assert [lease.claim.id for lease, _decision in swept] == [free.id]
         with sweeper.begin():  # the lock is gone (the server ended the transaction)
-            swept = store.sweep_expired_leases(sweeper, now=now, relay_id="relay-b")
+            swept = store.sweep_expired_leases(sweeper, now=now, relay_id="relay-b", rng=RNG)
         assert [lease.claim.id for lease, _decision in swept] == [held.id]
     assert row(server_backend.engine, held.id).status == Status.UNKNOWN_OUTCOME
     assert row(server_backend.engine, free.id).status == Status.UNKNOWN_OUTCOME
@@ -553,14 +557,14 @@ def test_a_stale_claimant_cannot_finalize_after_a_sweep(engine):
     assert before["status"] == Status.UNKNOWN_OUTCOME
     late = at(LEASE + 5)
     sent = Accepted(provider_message_id="ses-late")
-    assert not settle(engine, stale, decide(sent, stale.state, late), late)
+    assert not settle(engine, stale, decide(sent, stale.state, late, RNG), late)
     for outcome in (
         Transient(code="x"),
         Permanent(code="y"),
         Ambiguous(code="z"),
         Disabled(code="d"),
     ):
-        assert not settle(engine, stale, decide(outcome, stale.state, late), late)
+        assert not settle(engine, stale, decide(outcome, stale.state, late, RNG), late)
     assert snapshot(engine, mid) == before
 
 
@@ -572,7 +576,7 @@ def test_a_stale_claimant_cannot_overwrite_a_newer_claimants_result(engine):
     assert new.claim_token != old.claim_token
     mark(engine, [new], at(LEASE + 3))
     assert settle(
-        engine, new, decide(Accepted(provider_message_id="ses-new"), new.state, at(70)), at(70)
+        engine, new, decide(Accepted(provider_message_id="ses-new"), new.state, at(70), RNG), at(70)
     )
     # The old claimant never marked its rows, so nothing stamps send_started for it either.
     assert (
@@ -588,7 +592,7 @@ def test_a_stale_claimant_cannot_overwrite_a_newer_claimants_result(engine):
         Ambiguous(code="z"),
         Disabled(code="d"),
     ):
-        assert not settle(engine, old, decide(outcome, old.state, at(72)), at(72))
+        assert not settle(engine, old, decide(outcome, old.state, at(72), RNG), at(72))
     assert snapshot(engine, mid) == before
     assert before["provider_message_id"] == "ses-new"
     assert before["claimed_by"] == "relay-new"
@@ -616,12 +620,14 @@ def test_a_stale_claimant_cannot_settle_a_row_another_relay_now_holds(engine):
         Ambiguous(code="z"),
         Disabled(code="d"),
     ):
-        assert not settle(engine, old, decide(outcome, old.state, late), late)
+        assert not settle(engine, old, decide(outcome, old.state, late, RNG), late)
     assert (
         run(engine, store.release_unstarted, ids=[mid], claim_token=old.claim_token, now=late) == 0
     )
     assert snapshot(engine, mid) == before
-    assert settle(engine, new, decide(Accepted(provider_message_id="p"), new.state, late), late)
+    assert settle(
+        engine, new, decide(Accepted(provider_message_id="p"), new.state, late, RNG), late
+    )
 
 
 def test_a_stale_claimants_provider_message_id_is_recorded_as_an_attempt(engine):
@@ -631,7 +637,7 @@ def test_a_stale_claimants_provider_message_id_is_recorded_as_an_attempt(engine)
     sweep(engine, at(LEASE + 1))
     before = snapshot(engine, mid)
     late = at(LEASE + 5)
-    decision = decide(Accepted(provider_message_id="ses-0001"), stale.state, late)
+    decision = decide(Accepted(provider_message_id="ses-0001"), stale.state, late, RNG)
     with engine.begin() as conn:
         assert not store.apply_decision(conn, stale, decision, late)
         store.record_attempts(
@@ -676,7 +682,7 @@ def test_transient_errors_retry_a_bounded_number_of_times_then_fail(engine):
         c = claim_one(engine, now)
         assert c.attempt_count == len(actions)
         mark(engine, [c], now)
-        decision = decide(Transient(code="ServiceUnavailable", message="503"), c.state, now)
+        decision = decide(Transient(code="ServiceUnavailable", message="503"), c.state, now, RNG)
         actions.append(decision.action)
         assert settle(engine, c, decision, now)
         r = row(engine, mid)
@@ -704,7 +710,7 @@ def test_a_permanent_error_fails_at_once(engine):
     (mid,) = enqueue(engine, category="few")
     c = claim_one(engine, T0)
     mark(engine, [c], at(1))
-    decision = decide(Permanent(code="MessageRejected", message="bad address"), c.state, at(2))
+    decision = decide(Permanent(code="MessageRejected", message="bad address"), c.state, at(2), RNG)
     assert decision.action is Action.FAIL
     assert settle(engine, c, decision, at(2))
     r = row(engine, mid)
@@ -718,7 +724,7 @@ def test_a_successful_finalize_clears_the_claim_and_records_the_send(engine):
     (mid,) = enqueue(engine)
     c = claim_one(engine, T0)
     mark(engine, [c], at(1))
-    decision = decide(Accepted(provider_message_id="ses-0002"), c.state, at(2))
+    decision = decide(Accepted(provider_message_id="ses-0002"), c.state, at(2), RNG)
     assert settle(engine, c, decision, at(2))
     r = row(engine, mid)
     assert r.status == Status.SENT
@@ -743,9 +749,8 @@ def test_a_disabled_provider_release_counts_no_attempt_and_keeps_the_schedule(en
     now = before.next_attempt_at + timedelta(seconds=1)
     c = claim_one(engine, now)
     mark(engine, [c], now)
-    decision = decide(Disabled(code="SendingPaused", message="account paused"), c.state, now)
+    decision = decide(Disabled(code="SendingPaused", message="account paused"), c.state, now, RNG)
     assert decision.action is Action.RELEASE
-    assert not decision.counts_attempt
     assert settle(engine, c, decision, now)
     r = row(engine, mid)
     assert r.status == status
@@ -884,7 +889,7 @@ def test_the_hold_policy_parks_an_ambiguous_send_at_once(engine):
     (mid,) = enqueue(engine, category="few")
     c = claim_one(engine, T0)
     mark(engine, [c], at(1))
-    decision = decide(Ambiguous(code="ReadTimeout", message="no answer"), c.state, at(2))
+    decision = decide(Ambiguous(code="ReadTimeout", message="no answer"), c.state, at(2), RNG)
     assert decision.action is Action.HOLD
     assert settle(engine, c, decision, at(2))
     r = row(engine, mid)
@@ -900,7 +905,7 @@ def test_the_resend_policy_retries_an_ambiguous_send_and_holds_it_when_exhausted
         c = claim_one(engine, now)
         assert c.attempt_count == n - 1
         mark(engine, [c], now)
-        decision = decide(Ambiguous(code="ReadTimeout"), c.state, now)
+        decision = decide(Ambiguous(code="ReadTimeout"), c.state, now, RNG)
         actions.append(decision.action)
         assert settle(engine, c, decision, now)
         r = row(engine, mid)
@@ -954,7 +959,7 @@ def test_a_finished_row_is_not_marked_or_extended(engine):
     (mid,) = enqueue(engine)
     c = claim_one(engine, T0)
     mark(engine, [c], at(1))
-    assert settle(engine, c, decide(Accepted(provider_message_id="p"), c.state, at(2)), at(2))
+    assert settle(engine, c, decide(Accepted(provider_message_id="p"), c.state, at(2), RNG), at(2))
     token = c.claim_token
     assert run(engine, store.mark_send_started, ids=[mid], claim_token=token, now=at(3)) == set()
     assert run(engine, store.extend_lease, ids=[mid], claim_token=token, until=at(99)) == set()
@@ -979,7 +984,7 @@ def test_a_sweep_decision_does_nothing_if_the_owner_extended_the_lease_meanwhile
     now = at(11)
     with engine.begin() as conn:
         (stale,) = store.sweep_candidates(conn, now=now)
-    decision = decide(LeaseExpired(send_started=started), stale.claim.state, now)
+    decision = decide(LeaseExpired(send_started=started), stale.claim.state, now, RNG)
     assert decision.action is action
     # The owner renews its lease between the sweep's read and its update.
     assert run(engine, store.extend_lease, ids=[mid], claim_token=c.claim_token, until=at(40)) == {
@@ -991,7 +996,9 @@ def test_a_sweep_decision_does_nothing_if_the_owner_extended_the_lease_meanwhile
     assert snapshot(engine, mid) == before
     assert before["status"] == Status.PROCESSING
     # The owner still holds its claim and finalizes normally.
-    assert settle(engine, c, decide(Accepted(provider_message_id="p"), c.state, at(12)), at(12))
+    assert settle(
+        engine, c, decide(Accepted(provider_message_id="p"), c.state, at(12), RNG), at(12)
+    )
     assert row(engine, mid).status == Status.SENT
 
 
@@ -1003,7 +1010,7 @@ def test_racing_sweeps_that_read_the_same_stale_lease_settle_it_once(engine):
     with engine.begin() as conn:
         (seen_by_a,) = store.sweep_candidates(conn, now=now)
         (seen_by_b,) = store.sweep_candidates(conn, now=now)
-    decision = decide(LeaseExpired(send_started=True), seen_by_a.claim.state, now)
+    decision = decide(LeaseExpired(send_started=True), seen_by_a.claim.state, now, RNG)
     with engine.begin() as conn:
         assert store.apply_decision(conn, seen_by_a.claim, decision, now, expired_before=now)
     with engine.begin() as conn:

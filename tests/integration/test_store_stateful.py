@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -189,6 +190,7 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         empty_outbox(self.engine)
         self.now = T0
+        self.rng = random.Random(0)
         self.relays = {r: RelayView(relay_id=r) for r in RELAYS}
         self.rows: dict[int, sa.Row] = {}  # the database after the previous step
         self.policy: dict[int, AmbiguityPolicy] = {}
@@ -221,7 +223,7 @@ class StoreMachine(RuleBasedStateMachine):
         """The relay's provider call returned ``outcome``: decide, apply, record the attempt."""
         before = self.rows[hold.claim.id]
         expect = self.held(before, hold.claim.claim_token)
-        decision = decide(outcome, hold.claim.state, self.now)
+        decision = decide(outcome, hold.claim.state, self.now, self.rng)
         name = OUTCOME_NAMES[type(outcome)]
         with self.engine.begin() as conn:
             ok = store.apply_decision(conn, hold.claim, decision, self.now)
@@ -287,7 +289,7 @@ class StoreMachine(RuleBasedStateMachine):
         results = []
         for lease in stale:
             started = lease.send_started_at is not None
-            decision = decide(LeaseExpired(send_started=started), lease.claim.state, now)
+            decision = decide(LeaseExpired(send_started=started), lease.claim.state, now, self.rng)
             ok = store.apply_decision(conn, lease.claim, decision, now, expired_before=now)
             results.append((lease, decision, ok))
         store.record_attempts(
@@ -705,7 +707,7 @@ class StoreMachine(RuleBasedStateMachine):
         leases = [r.lease_expires_at for r in self.rows.values() if r.status == X]
         self.now = max([self.now, *leases]) + timedelta(hours=1)
         with self.engine.begin() as conn:  # the relay's own sweep, now that order is moot
-            swept = store.sweep_expired_leases(conn, now=self.now, relay_id=RELAYS[0])
+            swept = store.sweep_expired_leases(conn, now=self.now, relay_id=RELAYS[0], rng=self.rng)
             assert {lease.claim.id for lease, _ in swept} == self.expired_leases()
             self.check_swept(conn, self.now, [(s, d, True) for s, d in swept], self.rows)
         self.database_agrees()
@@ -836,7 +838,9 @@ def test_a_sweep_does_not_release_a_row_whose_send_started_after_its_read(server
                     holder, ids=[mid], claim_token=claim.claim_token, now=later
                 )
             assert marked == {mid}  # r1 now calls the provider
-            decision = decide(LeaseExpired(send_started=False), stale.claim.state, later)
+            decision = decide(
+                LeaseExpired(send_started=False), stale.claim.state, later, random.Random(0)
+            )
             assert decision.action is Action.RELEASE
             released = store.apply_decision(
                 sweeper, stale.claim, decision, later, expired_before=later
@@ -851,7 +855,9 @@ def test_a_sweep_does_not_release_a_row_whose_send_started_after_its_read(server
         )
         # The next sweep sees the started send and parks it for an operator.
         with engine.begin() as conn:
-            ((_, parked),) = store.sweep_expired_leases(conn, now=later, relay_id="r2")
+            ((_, parked),) = store.sweep_expired_leases(
+                conn, now=later, relay_id="r2", rng=random.Random(0)
+            )
         assert parked.action is Action.HOLD
         assert read_rows(engine)[mid].status == Status.UNKNOWN_OUTCOME
     finally:

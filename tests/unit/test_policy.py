@@ -1,7 +1,9 @@
-"""relay.policy.decide: every outcome x ambiguity policy x attempts left, and the backoff."""
+"""relay.policy.decide: every outcome x ambiguity policy x attempts left, and the backoff;
+both draw their jitter from the random source they are given only."""
 
 from __future__ import annotations
 
+import random
 import statistics
 from datetime import UTC, datetime, timedelta
 
@@ -22,6 +24,7 @@ from relay.policy import (
 from relay.senders import Accepted, Ambiguous, Disabled, Permanent, Transient
 
 NOW = datetime(2030, 6, 1, 8, 30, tzinfo=UTC)
+SEED = 16
 BASE, CAP, MAX_ATTEMPTS = 2.0, 900.0, 5
 HOLD, RESEND = AmbiguityPolicy.HOLD, AmbiguityPolicy.RESEND
 SENT, RETRY, FAIL, HOLD_, RELEASE = (
@@ -81,6 +84,11 @@ CASES = [
 ]
 
 
+@pytest.fixture
+def rng() -> random.Random:
+    return random.Random(SEED)
+
+
 def state(attempt_count: int = 0, policy: AmbiguityPolicy = HOLD, **kw) -> MessageState:
     fields = {
         "attempt_count": attempt_count,
@@ -105,12 +113,11 @@ def test_the_table_covers_every_outcome_and_policy():
 
 
 @pytest.mark.parametrize(("outcome", "policy", "label", "action"), CASES)
-def test_decide(outcome, policy, label, action):
+def test_decide(outcome, policy, label, action, rng):
     attempt_count = ATTEMPTS[label]
-    decision = decide(OUTCOMES[outcome], state(attempt_count, policy), NOW)
+    decision = decide(OUTCOMES[outcome], state(attempt_count, policy), NOW, rng)
     assert isinstance(decision, Decision)
     assert decision.action is action
-    assert decision.counts_attempt is (action is not Action.RELEASE)
     if action is not Action.RETRY:
         assert decision.next_attempt_at is None
         return
@@ -122,88 +129,90 @@ def test_decide(outcome, policy, label, action):
 
 
 @pytest.mark.parametrize("policy", list(AmbiguityPolicy))
-def test_accepted_carries_the_provider_message_id(policy):
-    decision = decide(Accepted(provider_message_id="ses-9"), state(2, policy), NOW)
+def test_accepted_carries_the_provider_message_id(policy, rng):
+    decision = decide(Accepted(provider_message_id="ses-9"), state(2, policy), NOW, rng)
     assert decision == Decision(action=Action.SENT, provider_message_id="ses-9")
 
 
-def test_errors_carry_their_code_and_message():
+def test_errors_carry_their_code_and_message(rng):
     for outcome in (
         Permanent(code="MessageRejected", message="nope"),
         Transient(code="ServiceUnavailable", message="503"),
         Ambiguous(code="ReadTimeout", message="no answer"),
         Disabled(code="SendingPaused", message="paused"),
     ):
-        decision = decide(outcome, state(0), NOW)
+        decision = decide(outcome, state(0), NOW, rng)
         assert (decision.code, decision.message) == (outcome.code, outcome.message)
         assert decision.provider_message_id is None
 
 
-def test_exhausted_transient_says_how_many_attempts_were_made():
-    decision = decide(Transient(code="ServiceUnavailable", message="503"), state(4), NOW)
+def test_exhausted_transient_says_how_many_attempts_were_made(rng):
+    decision = decide(Transient(code="ServiceUnavailable", message="503"), state(4), NOW, rng)
     assert decision.action is Action.FAIL
     assert decision.code == "ServiceUnavailable"
     assert decision.message == "5 attempts exhausted; last: 503"
 
 
-def test_lease_expiry_codes_tell_whether_the_send_had_begun():
-    unstarted = decide(LeaseExpired(send_started=False), state(0), NOW)
-    started = decide(LeaseExpired(send_started=True), state(0), NOW)
+def test_lease_expiry_codes_tell_whether_the_send_had_begun(rng):
+    unstarted = decide(LeaseExpired(send_started=False), state(0), NOW, rng)
+    started = decide(LeaseExpired(send_started=True), state(0), NOW, rng)
     assert unstarted.code == "lease_expired_before_send"
     assert started.code == "lease_expired_after_send_started"
     assert started.message
 
 
-def test_a_single_attempt_budget_never_retries():
+def test_a_single_attempt_budget_never_retries(rng):
     for outcome in (Transient(code="x"), Ambiguous(code="y"), LeaseExpired(send_started=True)):
         for policy in AmbiguityPolicy:
-            decision = decide(outcome, state(0, policy, max_attempts=1), NOW)
+            decision = decide(outcome, state(0, policy, max_attempts=1), NOW, rng)
             assert decision.action in (Action.FAIL, Action.HOLD)
 
 
-def test_something_that_is_not_an_outcome_is_refused():
+def test_something_that_is_not_an_outcome_is_refused(rng):
     with pytest.raises(TypeError, match="not an outcome"):
-        decide("Accepted", state(0), NOW)  # type: ignore[arg-type]
+        decide("Accepted", state(0), NOW, rng)  # type: ignore[arg-type]
 
 
-def test_decide_is_relative_to_the_now_it_is_given():
+def test_decide_is_relative_to_the_now_it_is_given(rng):
     for now in (datetime(1999, 1, 1, tzinfo=UTC), NOW, datetime(2300, 1, 1, tzinfo=UTC)):
-        decision = decide(Transient(code="x", retry_after=60.0), state(0), now)
+        decision = decide(Transient(code="x", retry_after=60.0), state(0), now, rng)
         assert decision.next_attempt_at == now + timedelta(seconds=60)
 
 
 # -- floors ------------------------------------------------------------------------------
 
 
-def test_a_throttled_retry_waits_at_least_the_floor_even_with_a_tiny_base():
+def test_a_throttled_retry_waits_at_least_the_floor_even_with_a_tiny_base(rng):
     tiny = state(0, backoff_base=0.001, backoff_cap=0.001)
     for _ in range(200):
-        decision = decide(Transient(code="Throttling", throttled=True), tiny, NOW)
+        decision = decide(Transient(code="Throttling", throttled=True), tiny, NOW, rng)
         assert decision.next_attempt_at is not None
         assert decision.next_attempt_at - NOW >= timedelta(seconds=THROTTLE_FLOOR_SECONDS)
 
 
-def test_retry_after_is_honoured_even_above_the_cap():
+def test_retry_after_is_honoured_even_above_the_cap(rng):
     capped = state(0, backoff_base=1.0, backoff_cap=10.0)
-    decision = decide(Transient(code="TooManyRequests", retry_after=120.0), capped, NOW)
+    decision = decide(Transient(code="TooManyRequests", retry_after=120.0), capped, NOW, rng)
     assert decision.next_attempt_at == NOW + timedelta(seconds=120)
 
 
-def test_the_larger_of_retry_after_and_the_throttle_floor_wins():
+def test_the_larger_of_retry_after_and_the_throttle_floor_wins(rng):
     small = Transient(code="Throttling", throttled=True, retry_after=0.2)
     for _ in range(100):
-        decision = decide(small, state(0, backoff_base=0.001, backoff_cap=0.001), NOW)
+        decision = decide(small, state(0, backoff_base=0.001, backoff_cap=0.001), NOW, rng)
         assert decision.next_attempt_at == NOW + timedelta(seconds=THROTTLE_FLOOR_SECONDS)
     big = Transient(code="Throttling", throttled=True, retry_after=7.0)
     for _ in range(100):
-        decision = decide(big, state(2), NOW)  # third attempt: up to 8 s
+        decision = decide(big, state(2), NOW, rng)  # third attempt: up to 8 s
         assert decision.next_attempt_at is not None
         assert 7.0 <= (decision.next_attempt_at - NOW).total_seconds() <= 8.0 + 1e-6
 
 
-def test_an_ambiguous_resend_gets_no_throttle_floor():
+def test_an_ambiguous_resend_gets_no_throttle_floor(rng):
     delays = [
-        (decide(Ambiguous(code="x"), state(0, RESEND), NOW).next_attempt_at - NOW).total_seconds()
+        (
+            decide(Ambiguous(code="x"), state(0, RESEND), NOW, rng).next_attempt_at - NOW
+        ).total_seconds()
         for _ in range(300)
     ]
     assert all(0.0 <= d <= BASE for d in delays)
@@ -217,9 +226,9 @@ def test_an_ambiguous_resend_gets_no_throttle_floor():
     ("attempt", "base", "cap"),
     [(1, 2.0, 900.0), (2, 2.0, 900.0), (5, 2.0, 900.0), (10, 2.0, 900.0), (40, 0.5, 60.0)],
 )
-def test_backoff_samples_stay_within_bounds_and_are_jittered(attempt, base, cap):
+def test_backoff_samples_stay_within_bounds_and_are_jittered(attempt, base, cap, rng):
     high = ceiling(attempt, base, cap)
-    samples = [backoff_seconds(attempt, base, cap) for _ in range(1000)]
+    samples = [backoff_seconds(attempt, base, cap, 0.0, rng) for _ in range(1000)]
     assert all(0.0 <= s <= high for s in samples)
     assert len(set(samples)) > 900
     # Full jitter: uniform over [0, high], so both halves are used and the mean is central.
@@ -228,19 +237,21 @@ def test_backoff_samples_stay_within_bounds_and_are_jittered(attempt, base, cap)
     assert 0.4 * high < statistics.fmean(samples) < 0.6 * high
 
 
-def test_backoff_grows_exponentially_up_to_the_cap():
-    highs = [max(backoff_seconds(a, 1.0, 100.0) for _ in range(400)) for a in range(1, 10)]
+def test_backoff_grows_exponentially_up_to_the_cap(rng):
+    highs = [
+        max(backoff_seconds(a, 1.0, 100.0, 0.0, rng) for _ in range(400)) for a in range(1, 10)
+    ]
     for attempt, high in enumerate(highs, start=1):
         assert high <= min(100.0, 2.0 ** (attempt - 1))
         assert high > 0.9 * min(100.0, 2.0 ** (attempt - 1))
 
 
-def test_backoff_treats_attempt_zero_as_the_first():
-    assert all(backoff_seconds(0, 3.0, 900.0) <= 3.0 for _ in range(200))
+def test_backoff_treats_attempt_zero_as_the_first(rng):
+    assert all(backoff_seconds(0, 3.0, 900.0, 0.0, rng) <= 3.0 for _ in range(200))
 
 
-def test_backoff_of_a_huge_attempt_number_is_the_cap_at_most():
-    samples = [backoff_seconds(1000, 2.0, 900.0) for _ in range(200)]
+def test_backoff_of_a_huge_attempt_number_is_the_cap_at_most(rng):
+    samples = [backoff_seconds(1000, 2.0, 900.0, 0.0, rng) for _ in range(200)]
     assert all(0.0 <= s <= 900.0 for s in samples)
     assert max(samples) > 450.0
 
@@ -250,11 +261,61 @@ def test_backoff_of_a_huge_attempt_number_is_the_cap_at_most():
     base=st.floats(min_value=0.001, max_value=100.0),
     cap_factor=st.floats(min_value=1.0, max_value=1000.0),
     floor=st.one_of(st.just(0.0), st.floats(min_value=0.0, max_value=3600.0)),
+    seed=st.integers(min_value=0, max_value=2**32),
 )
 def test_backoff_is_always_between_the_floor_and_the_capped_exponential(
-    attempt, base, cap_factor, floor
+    attempt, base, cap_factor, floor, seed
 ):
     cap = base * cap_factor
-    delay = backoff_seconds(attempt, base, cap, floor)
+    delay = backoff_seconds(attempt, base, cap, floor, random.Random(seed))
     assert floor <= delay
     assert delay <= max(floor, ceiling(attempt, base, cap)) * (1 + 1e-9)
+
+
+# -- determinism -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("outcome", "policy", "label", "action"), CASES)
+def test_the_same_seed_gives_the_same_decision(outcome, policy, label, action):
+    given = (OUTCOMES[outcome], state(ATTEMPTS[label], policy), NOW)
+    random.seed(1)  # the module's own source plays no part
+    first = decide(*given, random.Random(SEED))
+    random.seed(2)
+    assert decide(*given, random.Random(SEED)) == first
+    assert first.action is action
+
+
+def test_the_jitter_comes_from_the_source_given():
+    retried = Transient(code="ServiceUnavailable", message="503")
+    times = {
+        decide(retried, state(3), NOW, random.Random(seed)).next_attempt_at for seed in range(50)
+    }
+    assert len(times) == 50
+
+
+def test_the_same_seed_gives_the_same_backoffs():
+    def draws(seed: int) -> list[float]:
+        rng = random.Random(seed)
+        return [backoff_seconds(a, 2.0, 900.0, 1.0, rng) for a in range(1, 30)]
+
+    assert draws(SEED) == draws(SEED)
+    assert draws(SEED) != draws(SEED + 1)
+
+
+@pytest.mark.parametrize(
+    ("attempt", "base", "cap", "floor", "high"),
+    [
+        (1, 2.0, 900.0, 0.0, 2.0),
+        (4, 2.0, 900.0, 0.0, 16.0),
+        (11, 2.0, 900.0, 0.0, 900.0),
+        (3, 2.0, 900.0, 30.0, 30.0),  # the floor above the exponential: the floor itself
+        (1, 1.0, 10.0, 120.0, 120.0),  # and above the cap
+        (2000, 2.0, 900.0, 5.0, 900.0),  # 2 ** 1999 is beyond a float: the cap
+    ],
+)
+def test_a_backoff_is_the_floor_plus_the_draw_times_the_span(attempt, base, cap, floor, high):
+    """Uniform between the floor and the capped exponential: ``floor + (high - floor) * u``
+    for the source's next ``u``, as ``random.uniform`` draws it."""
+    u = random.Random(SEED).random()
+    delay = backoff_seconds(attempt, base, cap, floor, random.Random(SEED))
+    assert delay == pytest.approx(floor + (high - floor) * u)
