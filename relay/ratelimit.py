@@ -162,9 +162,6 @@ class RateController:
         """Recipients per second this relay books with now (None: no limit)."""
         return None if self.total is None else self.total * self.factor
 
-    def set_total(self, total: float | None) -> None:
-        self.total = total
-
     def on_throttle(self) -> None:
         self.factor = max(self.FLOOR, self.factor * self.DECREASE)
         self._last = self._clock()
