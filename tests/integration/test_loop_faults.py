@@ -8,159 +8,42 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
 from outbox import Email
-from outbox.schema import messages
 from relay import signals, store, worker
 from relay.pause import Scope, ScopeKind
 from relay.senders import Accepted, Disabled, OutgoingMessage, Permanent
 from relay.testing import FakeSender
 from relay.worker import Relay
-from tests.integration.test_worker import (
-    OB,
+from tests.support.db import attempt_rows, row, statuses
+from tests.support.factories import enqueue
+from tests.support.inprocess import (
+    OUTBOX,
     Clock,
-    attempt_rows,
-    enqueue,
+    HeldSender,
+    Run,
+    closing,
+    receiving,
     relay_for,
+    running,
     settle,
-    statuses,
 )
+from tests.support.waiting import wait_for
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-class HeldSender:
-    """Accepts every message (provider id ``ses-<id>-<attempt>``); a call for a held id, or
-    (id, attempt), first waits on its event. Records each call as (id, attempt)."""
-
-    name = "held"
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, int]] = []
-        self.gates: dict[object, threading.Event] = {}
-        self.lock = threading.Lock()
-
-    def hold(self, *keys: object) -> threading.Event:
-        gate = threading.Event()
-        for key in keys:
-            self.gates[key] = gate
-        return gate
-
-    def release_all(self) -> None:
-        for gate in self.gates.values():
-            gate.set()
-
-    def send(self, message: OutgoingMessage) -> Accepted:
-        with self.lock:
-            self.calls.append((message.id, message.attempt))
-        gate = self.gates.get((message.id, message.attempt)) or self.gates.get(message.id)
-        if gate is not None:
-            gate.wait(10)
-        return Accepted(provider_message_id=f"ses-{message.id}-{message.attempt}")
-
-    def count(self, message_id: int) -> int:
-        with self.lock:
-            return [id_ for id_, _attempt in self.calls].count(message_id)
-
-
-def eventually(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-class Run:
-    """``relay.run()`` on a thread, with what it raised."""
-
-    def __init__(self, relay: Relay) -> None:
-        self.relay = relay
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.relay.run()
-        except BaseException as exc:  # reported by the test, not by the thread
-            self.errors.append(exc)
-
-    def returned_within(self, seconds: float) -> bool:
-        """True if run() returned (or raised) within ``seconds``."""
-        self.thread.join(seconds)
-        return not self.thread.is_alive()
-
-
-@contextlib.contextmanager
-def running(relay: Relay, *senders: HeldSender) -> Iterator[Run]:
-    """The relay running on a thread; stopped, and every held call let go, when the block ends
-    (so a regression fails the test instead of hanging it)."""
-    run = Run(relay)
-    try:
-        yield run
-    finally:
-        relay.request_stop()
-        for sender in senders:
-            sender.release_all()
-        run.thread.join(15)
-
-
-@contextlib.contextmanager
-def closing(relay: Relay) -> Iterator[Relay]:
-    """A relay stepped by hand: its loop connection and send threads end with the block."""
-    try:
-        yield relay
-    finally:
-        relay._drop_connection()
-        relay._pool.shutdown(wait=False)
-
-
-@contextlib.contextmanager
-def receiving(signal, relay: Relay) -> Iterator[list[dict[str, Any]]]:
-    """What ``signal`` carried when ``relay`` sent it."""
-    seen: list[dict[str, Any]] = []
-
-    def receiver(_sender, **kw):
-        seen.append(kw)
-
-    signal.connect(receiver, sender=relay, weak=False)
-    try:
-        yield seen
-    finally:
-        signal.disconnect(receiver, sender=relay)
-
-
-def row(engine: sa.Engine, message_id: int):
-    """The message's row without its payload (which a test may have made undecodable)."""
-    columns = [c for c in messages.c if c.name != "payload"]
-    with engine.connect() as conn:
-        return conn.execute(sa.select(*columns).where(messages.c.id == message_id)).one()
-
-
-def later_clock(clock: Clock, seconds: float) -> Clock:
-    moved = Clock()
-    moved.now = clock.now + timedelta(seconds=seconds)
-    return moved
 
 
 def sweep_at(engine: sa.Engine, now: datetime) -> list[int]:
     """Another relay's sweep at ``now``: the ids it settled."""
     with engine.begin() as conn:
-        swept = store.sweep_expired_leases(conn, now=now, relay_id="sweeper", rng=random.Random())
+        swept = store.sweep_expired_leases(conn, now=now, relay_id="sweeper")
     return [lease.claim.id for lease, _decision in swept]
 
 
@@ -279,7 +162,7 @@ def test_claims_committed_unseen_are_given_back_unsent_by_the_drain(backend, mon
     assert sender.calls == []
     assert_given_back_unsent(backend, ids, clock, sender)
     later = FakeSender()
-    with closing(relay_for(backend, later, later_clock(clock, 1), relay_id="later")) as next_relay:
+    with closing(relay_for(backend, later, clock.later(1), relay_id="later")) as next_relay:
         settle(next_relay)
     assert sorted(later.sent_ids) == ids
 
@@ -301,7 +184,7 @@ def test_claims_committed_unseen_are_given_back_unsent_by_an_account_pause(backe
     with closing(relay):
         try:
             relay.step()
-            eventually(lambda: sender.calls, "the first send to start")
+            wait_for(lambda: sender.calls, what="the first send to start")
             waiting = enqueue(backend.engine, 2)
             clock.advance(1)  # they are due
             commit_unseen_once(relay, monkeypatch)
@@ -309,9 +192,9 @@ def test_claims_committed_unseen_are_given_back_unsent_by_an_account_pause(backe
             for mid in waiting:
                 assert row(backend.engine, mid).status == "processing"
             answer.set()
-            eventually(
+            wait_for(
                 lambda: all(f.future.done() for f in relay._in_flight.values()),
-                "the paused answer",
+                what="the paused answer",
             )
             with receiving(signals.released, relay) as released:
                 relay.step()  # the answer pauses the relay, which gives back what it holds
@@ -337,7 +220,7 @@ def test_a_provider_id_longer_than_its_column_is_saved_cut_and_kept_whole(backen
     keeps the whole id, and it is delivered once. (The save once failed on PostgreSQL and
     MariaDB; the item was dropped, its lease ran out, and the sweep resent a `resend` message,
     or parked a `hold` one as unknown_outcome.) SQLite keeps any length; the same holds."""
-    long_id, short_id = enqueue(backend.engine, 2, category="digest")
+    long_id, short_id = enqueue(backend.engine, 2, outbox=OUTBOX, category="digest")
     sender = FakeSender(
         lambda m: Accepted(
             provider_message_id=LONG_PROVIDER_ID if m.id == long_id else f"ses-{m.id}"
@@ -348,7 +231,7 @@ def test_a_provider_id_longer_than_its_column_is_saved_cut_and_kept_whole(backen
         settle(relay)
     # long after the lease would have run out, another relay sweeps and claims what is due
     later = FakeSender()
-    with closing(relay_for(backend, later, later_clock(clock, 3600), relay_id="later")) as other:
+    with closing(relay_for(backend, later, clock.later(3600), relay_id="later")) as other:
         settle(other)
     r = row(backend.engine, long_id)
     assert (r.status, r.provider_message_id) == ("sent", LONG_PROVIDER_ID[:255])
@@ -477,14 +360,14 @@ def test_a_call_hung_past_send_timeout_holds_no_slot(backend, caplog):
         pause_seconds=0.2,
     )
     with running(relay, sender):
-        eventually(lambda: sender.calls, "the first call")
-        eventually(
+        wait_for(lambda: sender.calls, what="the first call")
+        wait_for(
             lambda: all(statuses(backend.engine)[i] == "sent" for i in others),
-            "the other messages to be sent beside the hung call",
+            what="the other messages to be sent beside the hung call",
         )
-        eventually(
+        wait_for(
             lambda: statuses(backend.engine)[hung] == "unknown_outcome",
-            "the hung call's row to be swept to unknown_outcome",
+            what="the hung call's row to be swept to unknown_outcome",
         )
     assert row(backend.engine, hung).last_error_code == "lease_expired_after_send_started"
     assert [sender.count(i) for i in ids] == [1, 1, 1, 1]
@@ -510,13 +393,13 @@ def test_as_many_hung_calls_as_slots_pause_the_relay(backend):
         pause_seconds=30,
     )
     with running(relay, sender):
-        eventually(lambda: len(sender.calls) == 2, "both calls")
-        eventually(lambda: relay.paused, "the relay to pause with both calls hung")
+        wait_for(lambda: len(sender.calls) == 2, what="both calls")
+        wait_for(lambda: relay.paused, what="the relay to pause with both calls hung")
         assert relay.pause_code == "sender_hung"
         waiting = enqueue(backend.engine, 2)
-        eventually(
+        wait_for(
             lambda: {statuses(backend.engine)[i] for i in hung} == {"unknown_outcome"},
-            "the hung rows to be swept",
+            what="the hung rows to be swept",
         )
         assert relay.paused
         assert [statuses(backend.engine)[i] for i in waiting] == ["pending", "pending"]
@@ -531,14 +414,13 @@ def test_exit_when_idle_exits_while_only_a_paused_scopes_messages_wait(backend):
     not due, so with nothing else due run() exits; the other message was sent. (A pause once
     kept exit_when_idle from ever exiting.)"""
     scope = Scope(ScopeKind.IDENTITY, "example.com")
-    with Session(backend.engine) as session:
-        held, other = (
-            OB.enqueue(
-                session, Email(sender=f"shop@{domain}", to=["c@example.net"], subject="s", text="t")
-            ).id
+    held, other = enqueue(
+        backend.engine,
+        [
+            Email(sender=f"shop@{domain}", to=["c@example.net"], subject="s", text="t")
             for domain in ("example.com", "example.org")
-        )
-        session.commit()
+        ],
+    )
     enqueued_due = row(backend.engine, held).next_attempt_at
 
     def answer(message: OutgoingMessage):
@@ -566,16 +448,16 @@ def test_exit_when_idle_exits_when_an_account_probe_finds_nothing_due(backend):
     sender = FakeSender(lambda m: Disabled(code="AccountSendingPausedException", pause=True))
     relay = relay_for(backend, sender, exit_when_idle=True, pause_seconds=0.5)
     with running(relay) as run:
-        eventually(
+        wait_for(
             lambda: relay.paused and statuses(backend.engine)[mid] == "pending",
-            "the pause, and the message given back",
+            what="the pause, and the message given back",
         )
 
         def cancelled() -> bool:
             with backend.engine.begin() as conn:
                 return store.cancel(conn, message_id=mid, now=datetime.now(UTC))
 
-        eventually(cancelled, "the message to be cancelled")
+        wait_for(cancelled, what="the message to be cancelled")
         assert run.returned_within(5), "run() did not exit with nothing due"
     assert run.errors == []
     assert relay.paused
@@ -591,7 +473,7 @@ def test_a_stale_call_finishing_beside_its_reclaim_is_recorded_stale_and_signall
     and finish in the same pass. The row holds the second call's answer; the first is
     recorded as stale:accepted, and `sent` fires once. (Both were once taken as applied: two
     attempts `accepted`, two `sent` signals.) Stepped by hand on a clock moved by hand."""
-    (mid,) = enqueue(backend.engine, 1, category="digest")
+    (mid,) = enqueue(backend.engine, 1, outbox=OUTBOX, category="digest")
     clock = Clock()
     sender = HeldSender()
     answer = sender.hold(mid)  # both calls wait on one event, let go together
@@ -599,18 +481,18 @@ def test_a_stale_call_finishing_beside_its_reclaim_is_recorded_stale_and_signall
     with closing(relay):
         try:
             relay.step()
-            eventually(lambda: sender.calls == [(mid, 1)], "the first call")
+            wait_for(lambda: sender.calls == [(mid, 1)], what="the first call")
             time.sleep(1.1)  # past --send-timeout, and past the sweep interval
             clock.advance(60)  # the lease is long gone
             relay.step()  # not renewed; the relay's own sweep settles it
             assert row(backend.engine, mid).status == "retrying"
             clock.advance(3600)
             relay.step()  # claimed again
-            eventually(lambda: sender.calls == [(mid, 1), (mid, 2)], "the second call")
+            wait_for(lambda: sender.calls == [(mid, 1), (mid, 2)], what="the second call")
             answer.set()
-            eventually(
+            wait_for(
                 lambda: all(f.future.done() for f in relay._in_flight.values()),
-                "both calls to return",
+                what="both calls to return",
             )
             with (
                 receiving(signals.sent, relay) as sent,

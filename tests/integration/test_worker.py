@@ -9,85 +9,15 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
-from outbox import Category, Email, Outbox, Status
-from outbox.schema import attempts, messages
+from outbox import Status
+from outbox.schema import messages
 from relay import signals
-from relay.config import RelayConfig
 from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
 from relay.testing import FakeSender
-from relay.worker import Relay
-
-OB = Outbox(categories=[Category(name="digest", ambiguity="resend", max_attempts=3)])
-
-
-def enqueue(engine, n: int, **kw) -> list[int]:
-    ids = []
-    with Session(engine) as session:
-        for i in range(n):
-            email = Email(
-                sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"#{i}", text="hello"
-            )
-            ids.append(OB.enqueue(session, email, **kw).id)
-        session.commit()
-    return ids
-
-
-def statuses(engine) -> dict[int, str]:
-    with engine.connect() as conn:
-        return dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
-
-
-def row(engine, message_id: int):
-    with engine.connect() as conn:
-        return conn.execute(sa.select(messages).where(messages.c.id == message_id)).one()
-
-
-def attempt_rows(engine, message_id: int):
-    with engine.connect() as conn:
-        return conn.execute(
-            sa.select(attempts).where(attempts.c.message_id == message_id).order_by(attempts.c.id)
-        ).all()
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = datetime.now(UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
-
-
-def relay_for(backend, sender, clock=None, **settings) -> Relay:
-    config = RelayConfig(
-        database_url=backend.url,
-        relay_id=settings.pop("relay_id", "test-relay"),
-        **{
-            "poll_interval": 0.05,
-            "send_timeout": 1.0,
-            "lease_seconds": 5.0,
-            "drain_seconds": 5.0,
-            **settings,
-        },
-    )
-    kwargs = {"clock": clock} if clock is not None else {}
-    return Relay(engine=backend.engine, sender=sender, config=config, **kwargs)
-
-
-def settle(relay: Relay, steps: int = 200) -> None:
-    """Step until nothing is in flight and a step finds no work."""
-    for _ in range(steps):
-        busy = relay.step()
-        if not busy and relay.in_flight == 0:
-            return
-        time.sleep(0.005)
-    raise AssertionError("relay did not settle")
+from tests.support.db import attempt_rows, row, statuses
+from tests.support.factories import enqueue
+from tests.support.inprocess import OUTBOX, Clock, relay_for, settle
 
 
 def test_run_drains_the_backlog_and_exits_when_idle(backend):
@@ -146,7 +76,7 @@ def test_permanent_fails_and_ambiguous_is_held(backend, outcome, status, code):
 
 
 def test_resend_policy_retries_an_ambiguous_send(backend):
-    (mid,) = enqueue(backend.engine, 1, category="digest")
+    (mid,) = enqueue(backend.engine, 1, outbox=OUTBOX, category="digest")
     clock = Clock()
     sender = FakeSender([Ambiguous(code="ReadTimeout")])
     relay = relay_for(backend, sender, clock)

@@ -12,16 +12,12 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.orm import Session
 
-from outbox import Email
 from outbox.schema import attempts, messages
 from outbox.sqlite import enable_savepoints
 from relay import signals, store
@@ -30,132 +26,19 @@ from relay.db import make_engine
 from relay.senders import Accepted, Disabled, OutgoingMessage
 from relay.testing import FakeSender
 from relay.worker import Relay
-from tests.integration.test_worker import (
-    OB,
+from tests.support.db import attempt_rows, row, statuses
+from tests.support.factories import email, enqueue
+from tests.support.inprocess import (
+    OUTBOX,
     Clock,
-    attempt_rows,
-    enqueue,
+    HeldSender,
+    closing,
+    receiving,
     relay_for,
+    running,
     settle,
-    statuses,
 )
-
-
-class GatedSender:
-    """A sender whose calls can be held open: ``hold(id)`` (or ``hold((id, attempt))``)
-    returns an event the call waits on. Calls are recorded as (id, attempt, monotonic time);
-    ``outcomes`` are answered first, one per call, then ``answer``."""
-
-    name = "gated"
-
-    def __init__(
-        self,
-        answer: Callable[[OutgoingMessage], Any] | None = None,
-        outcomes: Iterable[Any] = (),
-    ) -> None:
-        self.answer = answer or (lambda m: Accepted(provider_message_id=f"ses-{m.id}-{m.attempt}"))
-        self.outcomes = collections.deque(outcomes)
-        self.calls: list[tuple[int, int, float]] = []
-        self.returned: list[tuple[int, int]] = []
-        self.gates: dict[object, threading.Event] = {}
-        self.lock = threading.Lock()
-
-    def hold(self, *keys: object) -> threading.Event:
-        gate = threading.Event()
-        for key in keys:
-            self.gates[key] = gate
-        return gate
-
-    def release_all(self) -> None:
-        for gate in self.gates.values():
-            gate.set()
-
-    def send(self, message: OutgoingMessage):
-        with self.lock:
-            self.calls.append((message.id, message.attempt, time.monotonic()))
-            scripted = self.outcomes.popleft() if self.outcomes else None
-        gate = self.gates.get((message.id, message.attempt)) or self.gates.get(message.id)
-        if gate is not None:
-            gate.wait(10)
-        outcome = scripted if scripted is not None else self.answer(message)
-        with self.lock:
-            self.returned.append((message.id, message.attempt))
-        return outcome
-
-    def times(self, message_id: int) -> list[float]:
-        with self.lock:
-            return [at for id_, _attempt, at in self.calls if id_ == message_id]
-
-
-def eventually(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-@contextlib.contextmanager
-def running(relay: Relay, *senders: GatedSender) -> Iterator[threading.Thread]:
-    """``relay.run()`` on a thread; stopped (and every held send let go) when the block ends."""
-    runner = threading.Thread(target=relay.run, daemon=True)
-    runner.start()
-    try:
-        yield runner
-    finally:
-        relay.request_stop()
-        for sender in senders:
-            sender.release_all()
-        runner.join(15)
-
-
-@contextlib.contextmanager
-def closing(relay: Relay) -> Iterator[Relay]:
-    """A relay stepped by hand: its loop connection and send threads end with the block."""
-    try:
-        yield relay
-    finally:
-        relay._drop_connection()
-        relay._pool.shutdown(wait=False)
-
-
-@contextlib.contextmanager
-def receiving(signal) -> Iterator[list[dict[str, Any]]]:
-    seen: list[dict[str, Any]] = []
-
-    def receiver(_sender, **kw):
-        seen.append(kw)
-
-    signal.connect(receiver, weak=False)
-    try:
-        yield seen
-    finally:
-        signal.disconnect(receiver)
-
-
-def row(engine: sa.Engine, message_id: int):
-    """The message's row without its payload (which a test may have made unreadable)."""
-    columns = [c for c in messages.c if c.name != "payload"]
-    with engine.connect() as conn:
-        return conn.execute(sa.select(*columns).where(messages.c.id == message_id)).one()
-
-
-def enqueue_emails(engine: sa.Engine, emails: list[Email], **kw) -> list[int]:
-    with Session(engine) as session:
-        ids = [OB.enqueue(session, email, **kw).id for email in emails]
-        session.commit()
-    return ids
-
-
-def email(n: int, **kw) -> Email:
-    return Email(
-        **{"sender": "shop@example.com", "to": [f"c{n}@example.com"], "subject": f"#{n}", **kw},
-        text="hello",
-    )
-
+from tests.support.waiting import wait_for
 
 # -- a finished send that cannot be saved ---------------------------------------------------
 
@@ -182,26 +65,26 @@ def test_a_send_whose_row_was_erased_in_flight_is_set_aside_and_the_relay_goes_o
     finished beside it, and everything enqueued later, are saved and sent."""
     engine = relay_engine(backend)
     erased, kept = enqueue(backend.engine, 2)
-    sender = GatedSender()
+    sender = HeldSender()
     gate = sender.hold(erased, kept)
     relay = relay_for(backend, sender, concurrency=4)
     relay.engine = engine
     caplog.set_level(logging.ERROR, logger="relay")
     try:
         with receiving(signals.save_failed) as set_aside, running(relay, sender):
-            eventually(lambda: len(sender.calls) == 2, "both sends in flight")
+            wait_for(lambda: len(sender.calls) == 2, what="both sends in flight")
             with backend.engine.begin() as conn:
                 conn.execute(attempts.delete().where(attempts.c.message_id == erased))
                 conn.execute(messages.delete().where(messages.c.id == erased))
             gate.set()
-            eventually(
+            wait_for(
                 lambda: statuses(backend.engine).get(kept) == "sent",
-                "the send finished beside the erased one to be saved",
+                what="the send finished beside the erased one to be saved",
             )
             later = enqueue(backend.engine, 3)
-            eventually(
+            wait_for(
                 lambda: all(statuses(backend.engine).get(i) == "sent" for i in later),
-                "messages enqueued after the erase to be sent",
+                what="messages enqueued after the erase to be sent",
             )
     finally:
         if engine is not backend.engine:
@@ -225,18 +108,18 @@ def test_a_drain_saves_the_other_sends_when_one_row_was_erased(backend):
     out (the sweep would park a known send as unknown_outcome)."""
     engine = relay_engine(backend)
     erased, kept = enqueue(backend.engine, 2)
-    sender = GatedSender()
+    sender = HeldSender()
     gate = sender.hold(erased, kept)
     relay = relay_for(backend, sender, concurrency=4, drain_seconds=5)
     relay.engine = engine
     try:
         with running(relay, sender) as runner:
-            eventually(lambda: len(sender.calls) == 2, "both sends in flight")
+            wait_for(lambda: len(sender.calls) == 2, what="both sends in flight")
             with backend.engine.begin() as conn:
                 conn.execute(attempts.delete().where(attempts.c.message_id == erased))
                 conn.execute(messages.delete().where(messages.c.id == erased))
             relay.request_stop()
-            eventually(lambda: relay.state == "draining", "the drain to begin")
+            wait_for(lambda: relay.state == "draining", what="the drain to begin")
             gate.set()
             stopped = time.monotonic()
             runner.join(10)
@@ -257,7 +140,7 @@ def test_a_probe_answered_by_a_non_pausing_disabled_does_not_leave_the_relay_pau
     lease_lost, or a custom sender switched off): that says nothing about the provider, so the
     next message probes at once, and when it is accepted sending resumes."""
     ids = enqueue(backend.engine, 5)
-    sender = GatedSender(
+    sender = HeldSender(
         outcomes=[Disabled(code="AccountSendingPausedException", pause=True), Disabled(code=code)]
     )
     relay = relay_for(backend, sender, concurrency=1, pause_seconds=0.2, exit_when_idle=True)
@@ -295,9 +178,9 @@ def test_a_scoped_pause_holds_only_its_own_messages(backend, special, scope_of, 
 
     scope = Scope(ScopeKind(scope_of[0]), scope_of[1])
     pause_seconds = 0.4
-    emails = [email(n) for n in range(20)]
-    emails[5] = email(5, **special)
-    ids = enqueue_emails(backend.engine, emails)
+    emails = [email(n, short=True) for n in range(20)]
+    emails[5] = email(5, short=True, **special)
+    ids = enqueue(backend.engine, emails, outbox=OUTBOX)
     paused_id = ids[5]
     enqueued_due = row(backend.engine, paused_id).next_attempt_at
     refusing = threading.Event()
@@ -308,7 +191,7 @@ def test_a_scoped_pause_holds_only_its_own_messages(backend, special, scope_of, 
             return Disabled(code=code, pause=True, scope=scope)
         return Accepted(provider_message_id=f"ses-{m.id}-{m.attempt}")
 
-    sender = GatedSender(answer)
+    sender = HeldSender(answer)
     relay = relay_for(
         backend,
         sender,
@@ -318,20 +201,20 @@ def test_a_scoped_pause_holds_only_its_own_messages(backend, special, scope_of, 
     )
     with running(relay, sender):
         others = [i for i in ids if i != paused_id]
-        eventually(
+        wait_for(
             lambda: all(statuses(backend.engine).get(i) == "sent" for i in others),
-            "the 19 messages outside the paused scope to be sent",
+            what="the 19 messages outside the paused scope to be sent",
         )
         assert relay.pauses.paused(scope)
         assert not relay.paused  # the account is not paused
-        eventually(
+        wait_for(
             lambda: len(sender.times(paused_id)) >= 3,
-            "two probes of the paused scope",
+            what="two probes of the paused scope",
             timeout=6,
         )
-        held = eventually(
+        held = wait_for(
             lambda: (r := row(backend.engine, paused_id)).status in ("pending", "retrying") and r,
-            "the paused message back in line between probes",
+            what="the paused message back in line between probes",
         )
         assert (held.attempt_count, held.claim_token) == (0, None)
         assert held.next_attempt_at > enqueued_due
@@ -340,8 +223,10 @@ def test_a_scoped_pause_holds_only_its_own_messages(backend, special, scope_of, 
         gaps = [b - a for a, b in itertools.pairwise(calls)]
         assert min(gaps) >= 0.9 * pause_seconds, f"probes closer than the pause: {gaps}"
         refusing.clear()
-        eventually(lambda: statuses(backend.engine).get(paused_id) == "sent", "the scope to resume")
-        eventually(lambda: not relay.pauses, "the pause to end")
+        wait_for(
+            lambda: statuses(backend.engine).get(paused_id) == "sent", what="the scope to resume"
+        )
+        wait_for(lambda: not relay.pauses, what="the pause to end")
     assert set(statuses(backend.engine).values()) == {"sent"}
     done = row(backend.engine, paused_id)
     assert (done.attempt_count, done.provider_message_id) == (1, f"ses-{paused_id}-1")
@@ -359,7 +244,7 @@ def test_a_sender_that_raises_on_every_call_pauses_after_three(backend):
     sender = FakeSender(broken)
     relay = relay_for(backend, sender, concurrency=1, pause_seconds=30)
     with running(relay):
-        eventually(lambda: len(sender.calls) >= 3, "three sends")
+        wait_for(lambda: len(sender.calls) >= 3, what="three sends")
         time.sleep(0.5)  # time enough to burn the rest, were the relay still sending
         assert collections.Counter(statuses(backend.engine).values()) == {
             "unknown_outcome": 3,
@@ -383,7 +268,7 @@ def test_a_sender_that_keeps_raising_stays_paused_with_one_probe_per_period(back
     relay = relay_for(backend, sender, concurrency=1, pause_seconds=pause_seconds)
     caplog.set_level(logging.WARNING, logger="relay")
     with running(relay):
-        eventually(lambda: relay.paused, "the pause after three exceptions")
+        wait_for(lambda: relay.paused, what="the pause after three exceptions")
         paused_at = time.monotonic()
         unpaused = 0
         while time.monotonic() - paused_at < 4 * pause_seconds:
@@ -407,19 +292,19 @@ def test_a_send_past_its_timeout_is_left_to_the_sweep_and_its_late_result_record
     kept as a stale attempt with the provider's id, the row untouched."""
     (mid,) = enqueue(backend.engine, 1)
     assert row(backend.engine, mid).ambiguity_policy == "hold"
-    sender = GatedSender()
+    sender = HeldSender()
     late = sender.hold(mid)
     relay = relay_for(backend, sender, send_timeout=1.0, lease_seconds=2.5)
     with running(relay, sender):
-        eventually(lambda: sender.calls, "the send to start")
-        eventually(
+        wait_for(lambda: sender.calls, what="the send to start")
+        wait_for(
             lambda: row(backend.engine, mid).status == "unknown_outcome",
-            "the overdue send to be swept to unknown_outcome",
+            what="the overdue send to be swept to unknown_outcome",
         )
         parked = row(backend.engine, mid)
         assert parked.last_error_code == "lease_expired_after_send_started"
         late.set()
-        eventually(lambda: len(attempt_rows(backend.engine, mid)) == 2, "the late result")
+        wait_for(lambda: len(attempt_rows(backend.engine, mid)) == 2, what="the late result")
     r = row(backend.engine, mid)
     assert (r.status, r.provider_message_id, r.attempt_count) == ("unknown_outcome", None, 1)
     assert r.updated_at == parked.updated_at
@@ -543,7 +428,7 @@ def test_after_an_outage_longer_than_the_lease_a_relay_saves_its_sends_first(
         url.host or "127.0.0.1", url.port or {"postgresql": 5432}.get(backend.name, 3306)
     )
     engine = make_engine(url.set(host="127.0.0.1", port=proxy.port))
-    sender = GatedSender()
+    sender = HeldSender()
     gate = sender.hold(*ids)
     relay = Relay(
         engine=engine,
@@ -561,15 +446,15 @@ def test_after_an_outage_longer_than_the_lease_a_relay_saves_its_sends_first(
     monkeypatch.setattr(relay, "_db_backoff", lambda: 0.1)  # reconnect soon after it is back
     try:
         with running(relay, sender):
-            eventually(lambda: len(sender.calls) == 4, "four sends in flight")
+            wait_for(lambda: len(sender.calls) == 4, what="four sends in flight")
             proxy.cut()
             gate.set()  # the provider accepts all four while the database is gone
-            eventually(lambda: len(sender.returned) == 4, "the sends to return")
+            wait_for(lambda: len(sender.returned) == 4, what="the sends to return")
             time.sleep(4.0)  # longer than the 3 s lease
             proxy.restore()
-            eventually(
+            wait_for(
                 lambda: "processing" not in statuses(backend.engine).values(),
-                "the relay to settle its sends",
+                what="the relay to settle its sends",
                 timeout=10,
             )
     finally:
@@ -611,9 +496,9 @@ def test_a_row_swept_and_reclaimed_while_its_first_call_runs_keeps_both_results(
     """A resend-category row whose lease ran out mid-call is swept and claimed again by the
     same relay while the first call still runs: both calls are in flight under one id, and
     both answers are recorded (the first as stale, with its provider id), nothing lost."""
-    (mid,) = enqueue(backend.engine, 1, category="digest")
+    (mid,) = enqueue(backend.engine, 1, outbox=OUTBOX, category="digest")
     clock = Clock()
-    sender = GatedSender()
+    sender = HeldSender()
     first_call = sender.hold((mid, 1))
     second_call = sender.hold((mid, 2))
     relay = relay_for(backend, sender, clock, relay_id="holder")
@@ -622,24 +507,24 @@ def test_a_row_swept_and_reclaimed_while_its_first_call_runs_keeps_both_results(
     with closing(relay), closing(sweeper):
         try:
             relay.step()
-            eventually(lambda: len(sender.calls) == 1, "the first call")
+            wait_for(lambda: len(sender.calls) == 1, what="the first call")
             clock.advance(60)  # the 5 s lease ran out without a renewal
             sweeper_clock.now = clock.now
             sweeper.step()
             assert row(backend.engine, mid).status == "retrying"  # resend: due after backoff
             clock.advance(3600)
             relay.step()  # the holder claims it again: a second call for the same id
-            eventually(lambda: len(sender.calls) == 2, "the second call")
+            wait_for(lambda: len(sender.calls) == 2, what="the second call")
 
             first_call.set()
-            eventually(
+            wait_for(
                 lambda: (
                     relay.step() is not None
                     and any(
                         a.outcome == "stale:accepted" for a in attempt_rows(backend.engine, mid)
                     )
                 ),
-                "the first call's answer to be recorded",
+                what="the first call's answer to be recorded",
             )
             second_call.set()
             settle(relay)

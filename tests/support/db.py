@@ -154,10 +154,9 @@ def rows(engine: sa.Engine) -> list[sa.Row[Any]]:
         return list(conn.execute(sa.select(messages).order_by(messages.c.id)))
 
 
-def row(engine: sa.Engine, message_id: int, *, payload: bool = True) -> sa.Row[Any]:
-    """One message's row; without its payload column (which a test may have made unreadable)
-    when ``payload`` is False."""
-    columns = [c for c in messages.c if payload or c.name != "payload"]
+def row(engine: sa.Engine, message_id: int) -> sa.Row[Any]:
+    """One message's row, without its payload (which a test may have made unreadable)."""
+    columns = [c for c in messages.c if c.name != "payload"]
     with engine.connect() as conn:
         return conn.execute(sa.select(*columns).where(messages.c.id == message_id)).one()
 
@@ -165,7 +164,9 @@ def row(engine: sa.Engine, message_id: int, *, payload: bool = True) -> sa.Row[A
 def statuses(engine: sa.Engine) -> dict[int, str]:
     """{message id: status} of every message."""
     with engine.connect() as conn:
-        return dict(conn.execute(sa.select(messages.c.id, messages.c.status)).tuples().all())
+        return {
+            id_: status for id_, status in conn.execute(sa.select(messages.c.id, messages.c.status))
+        }
 
 
 def attempt_rows(engine: sa.Engine, message_id: int | None = None) -> list[sa.Row[Any]]:
