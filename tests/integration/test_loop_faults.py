@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -43,7 +44,7 @@ from tests.support.waiting import wait_for
 def sweep_at(engine: sa.Engine, now: datetime) -> list[int]:
     """Another relay's sweep at ``now``: the ids it settled."""
     with engine.begin() as conn:
-        swept = store.sweep_expired_leases(conn, now=now, relay_id="sweeper")
+        swept = store.sweep_expired_leases(conn, now=now, relay_id="sweeper", rng=random.Random())
     return [lease.claim.id for lease, _decision in swept]
 
 
