@@ -8,4 +8,4 @@ from tests.support.db import emptied as _emptied
 
 __all__ = ["CI", "Backend", "Order", "User", "_emptied"]  # until every importer has moved
 
-pytest_plugins = ["tests.support.fixtures", "tests.support.ses_fixtures"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.relay_fixtures"]

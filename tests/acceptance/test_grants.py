@@ -29,17 +29,17 @@ from sqlalchemy.orm import sessionmaker
 
 from outbox import Outbox
 from outbox.schema import attempts, messages, relays
+from tests.support.db import attempt_rows
+from tests.support.factories import email
 from tests.support.relays import (
     FAKE_SENDER,
     RELAY,
-    attempt_rows,
     clean_env,
-    email,
     message_rows,
     read_records,
     relay_rows,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 DEPLOY = Path(__file__).resolve().parents[2] / "examples" / "deploy"
 RELAY_ROLE, APP_ROLE = "outbox_relay_test_h8", "outbox_app_test_h8"

@@ -8,30 +8,15 @@ import signal
 import subprocess
 from datetime import UTC, datetime, timedelta
 
-import pytest
 import sqlalchemy as sa
 
 from outbox.schema import messages
-from tests.support.relays import (
-    RELAY,
-    Relays,
-    clean_env,
-    enqueue,
-    in_flight_ids,
-    message_rows,
-    sleep_until,
-    wait_for,
-)
+from tests.support.factories import enqueue
+from tests.support.relays import RELAY, clean_env, in_flight_ids, message_rows, sleep_until
+from tests.support.waiting import wait_for
 
 FAST = ("--poll-interval", "0.2", "--log-level", "WARNING")
 SHORT_LEASE = ("--lease-seconds", "3", "--send-timeout", "1")
-
-
-@pytest.fixture
-def relays(server_backend, tmp_path):
-    started = Relays(url=server_backend.url, workdir=tmp_path, record=tmp_path / "sent.log")
-    yield started
-    started.kill_all()
 
 
 def operator(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -47,7 +32,7 @@ def operator(url: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_unknown_outcome_is_found_inspected_requeued_and_delivered_once(server_backend, relays):
     engine, url = server_backend.engine, server_backend.url
-    enqueue(engine, 12)
+    enqueue(engine, 12, prefix="acceptance")
     victim = relays.start("--concurrency", "4", "--batch-size", "4", *SHORT_LEASE, *FAST, latency=2)
     wait_for(lambda: in_flight_ids(engine), timeout=30, what="sends in flight")
     victim.popen.send_signal(signal.SIGKILL)

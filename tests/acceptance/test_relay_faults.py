@@ -8,33 +8,23 @@ import subprocess
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
-import pytest
-
 from tests.support.clocks import shifted
+from tests.support.db import attempt_rows
+from tests.support.factories import enqueue
 from tests.support.relays import (
     FAKE_SENDER,
     RELAY,
-    Relays,
-    attempt_rows,
     clean_env,
-    enqueue,
     in_flight_ids,
     message_rows,
     read_records,
     relay_rows,
     spawn,
     statuses,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 FAST = ("--poll-interval", "0.1")
-
-
-@pytest.fixture
-def relays(server_backend, tmp_path):
-    started = Relays(url=server_backend.url, workdir=tmp_path, record=tmp_path / "sent.log")
-    yield started
-    started.kill_all()
 
 
 def test_run_refuses_an_unmigrated_database_in_one_line(tmp_path):
@@ -60,7 +50,7 @@ def test_a_send_past_send_timeout_is_swept_and_its_late_answer_kept(server_backe
     row as unknown_outcome while the call still runs, and the late answer is recorded as a
     stale attempt with the provider's id, the row left as the sweep set it."""
     engine = server_backend.engine
-    (mid,) = enqueue(engine, 1)
+    (mid,) = enqueue(engine, 1, prefix="acceptance")
     proc = relays.start(
         "--exit-when-idle",
         "--send-timeout",
@@ -99,7 +89,7 @@ def test_a_relay_whose_clock_is_two_minutes_ahead_sweeps_no_live_send(server_bac
     sweeps run on the database's clock, so the fast one never takes the other's live sends
     for abandoned: no lease_expired, no unknown_outcome, every message sent once."""
     engine = server_backend.engine
-    ids = enqueue(engine, 16)
+    ids = enqueue(engine, 16, prefix="acceptance")
     args = (
         "--exit-when-idle",
         "--concurrency",

@@ -9,36 +9,27 @@ import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
-import pytest
 import sqlalchemy as sa
 
 from outbox.schema import messages
+from tests.support.db import attempt_rows
+from tests.support.factories import enqueue
 from tests.support.relays import (
-    Relays,
-    attempt_rows,
-    enqueue,
     in_flight_ids,
     message_rows,
     read_records,
     relay_rows,
     sleep_until,
     statuses,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 FAST = ("--poll-interval", "0.2", "--log-level", "WARNING")
 
 
-@pytest.fixture
-def relays(server_backend, tmp_path):
-    started = Relays(url=server_backend.url, workdir=tmp_path, record=tmp_path / "sent.log")
-    yield started
-    started.kill_all()
-
-
 def test_three_relays_share_a_backlog_and_send_each_message_exactly_once(server_backend, relays):
     engine = server_backend.engine
-    ids = enqueue(engine, 2000)
+    ids = enqueue(engine, 2000, prefix="acceptance", per_transaction=500)
     procs = [
         relays.start(
             "--exit-when-idle",
@@ -85,7 +76,7 @@ def test_three_relays_share_a_backlog_and_send_each_message_exactly_once(server_
 
 def test_sigterm_drains_sends_in_flight_and_releases_the_rest(server_backend, relays):
     engine = server_backend.engine
-    ids = enqueue(engine, 200)
+    ids = enqueue(engine, 200, prefix="acceptance")
     proc = relays.start("--concurrency", "8", "--batch-size", "8", *FAST, latency=0.3)
 
     def sending_now():
@@ -123,7 +114,7 @@ def test_sigterm_drains_sends_in_flight_and_releases_the_rest(server_backend, re
 
 def test_a_second_signal_exits_at_once_even_with_slow_sends_in_flight(server_backend, relays):
     engine = server_backend.engine
-    enqueue(engine, 20)
+    enqueue(engine, 20, prefix="acceptance")
     proc = relays.start(
         "--concurrency",
         "8",
@@ -159,7 +150,7 @@ def test_sigkill_mid_send_leaves_rows_the_next_relay_holds_and_never_resends(
     server_backend, relays
 ):
     engine = server_backend.engine
-    ids = enqueue(engine, 30)
+    ids = enqueue(engine, 30, prefix="acceptance")
     short_lease = ("--lease-seconds", "3", "--send-timeout", "1")
     victim = relays.start("--concurrency", "8", "--batch-size", "8", *short_lease, *FAST, latency=1)
 

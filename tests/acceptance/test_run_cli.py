@@ -15,15 +15,9 @@ import sqlalchemy as sa
 from outbox.sqlite import enable_savepoints
 from relay import cli
 from relay.testing import read_deliveries
-from tests.support.relays import (
-    FAKE_SENDER,
-    RELAY,
-    attempt_rows,
-    clean_env,
-    enqueue,
-    message_rows,
-    relay_rows,
-)
+from tests.support.db import attempt_rows
+from tests.support.factories import enqueue
+from tests.support.relays import FAKE_SENDER, RELAY, clean_env, message_rows, relay_rows
 
 FLAGS = (
     "--database-url",
@@ -164,7 +158,7 @@ def test_a_sender_factory_that_cannot_make_a_sender_is_refused(sender, tmp_path)
     engine = sa.create_engine(url)
     enable_savepoints(engine)
     try:
-        (waiting,) = enqueue(engine, 1)
+        (waiting,) = enqueue(engine, 1, prefix="acceptance")
         done = relay(
             "run", "--database-url", url, "--sender", sender, "--exit-when-idle", timeout=15
         )
@@ -200,7 +194,7 @@ def test_a_factory_returning_an_object_with_only_send_delivers_with_the_defaults
     engine = sa.create_engine(url)
     enable_savepoints(engine)
     try:
-        ids = enqueue(engine, 3)
+        ids = enqueue(engine, 3, prefix="acceptance")
         done = relay(
             "run",
             "--database-url",
@@ -258,7 +252,7 @@ def test_a_quick_run_on_sqlite_delivers_every_message_once(tmp_path):
     engine = sa.create_engine(url)
     enable_savepoints(engine)
     try:
-        ids = enqueue(engine, 20)
+        ids = enqueue(engine, 20, prefix="acceptance")
         record = tmp_path / "sent.log"
         done = relay(
             "run",

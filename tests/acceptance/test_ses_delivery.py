@@ -11,12 +11,10 @@ attempts.
 from __future__ import annotations
 
 import itertools
-import signal
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -26,17 +24,10 @@ from outbox import Category, Email, Outbox
 from outbox.message import Attachment
 from outbox.schema import messages
 from relay import store
-from tests.support.relays import (
-    RelayProc,
-    attempt_rows,
-    clean_env,
-    message_rows,
-    relay_rows,
-    spawn,
-    statuses,
-    wait_for,
-)
-from tests.support.ses import FaultPlan, FaultServer, MotoSes, aws_env, max_in_window
+from tests.support.db import attempt_rows
+from tests.support.relays import RelayProc, SesRelays, message_rows, relay_rows, statuses
+from tests.support.ses import FaultPlan, FaultServer, MotoSes, max_in_window
+from tests.support.waiting import wait_for
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
 DIGEST = Category(name="digest", backoff_base=0.2, backoff_cap=1.0, ambiguity="resend")
@@ -59,40 +50,6 @@ def ses(moto):
     """moto emptied (sender verified again) behind a fault server that passes everything."""
     with FaultServer(moto.url, FaultPlan(seed=6)) as server:
         yield server
-
-
-@dataclass
-class SesRelays:
-    """Starts ``outbox-relay run --sender ses`` processes pointed at the fault server; kills
-    whatever still runs when the test ends."""
-
-    url: str
-    endpoint: str
-    workdir: Path
-    started: list[RelayProc] = field(default_factory=list)
-
-    def start(self, *args: str) -> RelayProc:
-        relay_id = f"ses-{len(self.started) + 1}"
-        log = self.workdir / f"{relay_id}.log"
-        env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
-        env.update(aws_env(self.endpoint))
-        proc = spawn(self.url, "ses", relay_id, log, env, *args)
-        self.started.append(proc)
-        return proc
-
-    def stop_all(self, timeout: float = 30) -> None:
-        """SIGTERM every relay still running; each must drain and exit 0."""
-        running = [p for p in self.started if p.popen.poll() is None]
-        for proc in running:
-            proc.popen.send_signal(signal.SIGTERM)
-        for proc in running:
-            assert proc.wait(timeout) == 0, proc.output()[-4000:]
-
-    def kill_all(self) -> None:
-        for proc in self.started:
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGKILL)
-                proc.popen.wait(10)
 
 
 @pytest.fixture

@@ -15,9 +15,7 @@ import itertools
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -25,16 +23,9 @@ from sqlalchemy.orm import sessionmaker
 
 from outbox import Email, Outbox
 from relay.clock import read_database_time
-from tests.support.relays import (
-    RelayProc,
-    Relays,
-    clean_env,
-    message_rows,
-    relay_rows,
-    spawn,
-    wait_for,
-)
-from tests.support.ses import IDENTITY, FaultPlan, FaultServer, SendRequest, aws_env
+from tests.support.relays import RelayProc, SesRelays, message_rows, relay_rows
+from tests.support.ses import IDENTITY, FaultPlan, FaultServer, SendRequest
+from tests.support.waiting import wait_for
 
 QUIET = ("--poll-interval", "0.2", "--log-level", "WARNING")
 
@@ -46,31 +37,9 @@ def ses(moto):
         yield server
 
 
-@dataclass
-class SesRelays:
-    url: str
-    endpoint: str
-    workdir: Path
-    started: list[RelayProc] = field(default_factory=list)
-
-    def start(self, *args: str) -> RelayProc:
-        relay_id = f"rate-{len(self.started) + 1}"
-        env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
-        env.update(aws_env(self.endpoint))
-        proc = spawn(self.url, "ses", relay_id, self.workdir / f"{relay_id}.log", env, *args)
-        self.started.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for proc in self.started:
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGKILL)
-                proc.popen.wait(10)
-
-
 @pytest.fixture
 def ses_relays(server_backend, ses, tmp_path):
-    started = SesRelays(url=server_backend.url, endpoint=ses.url, workdir=tmp_path)
+    started = SesRelays(url=server_backend.url, endpoint=ses.url, workdir=tmp_path, name="rate")
     yield started
     started.kill_all()
 
@@ -183,10 +152,9 @@ def test_messages_over_the_limit_go_alone_across_three_relays(server_backend, se
 
 
 @pytest.fixture
-def fake_relays(server_backend, tmp_path):
-    started = Relays(url=server_backend.url, workdir=tmp_path, record=tmp_path / "sent.log")
-    yield started
-    started.kill_all()
+def fake_relays(relays):
+    """The suite's ``relays`` (fake sender), named apart from ``ses_relays``."""
+    return relays
 
 
 def refusal(proc: RelayProc) -> str:

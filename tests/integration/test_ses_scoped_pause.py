@@ -15,18 +15,17 @@ from collections import Counter
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
-from outbox import Email, Outbox
-from outbox.schema import attempts, messages
+from outbox.schema import attempts
 from relay.config import RelayConfig
 from relay.pause import ACCOUNT, Scope, ScopeKind
 from relay.senders import Disabled, OutgoingMessage
 from relay.senders.ses import SesSender, build_client, pause_scope
 from relay.worker import Relay
+from tests.support.factories import email, enqueue
+from tests.support.relays import message_rows
 from tests.support.ses import FaultServer, aws_env
 
-OB = Outbox()
 PAUSE = 0.6  # --pause-seconds
 
 
@@ -38,18 +37,6 @@ def ses(moto, monkeypatch):
         for name, value in aws_env(server.url).items():
             monkeypatch.setenv(name, value)
         yield server
-
-
-def enqueue(engine, emails: list[Email]) -> list[int]:
-    with Session(engine) as session:
-        ids = [OB.enqueue(session, email).id for email in emails]
-        session.commit()
-    return ids
-
-
-def email(n: int, **fields) -> Email:
-    values = {"sender": "shop@example.com", "to": [f"c{n}@example.com"], "subject": f"#{n}"}
-    return Email(**{**values, "text": "hello", **fields})
 
 
 def run_relay(backend, *, timeout: float = 20.0) -> Relay:
@@ -75,11 +62,6 @@ def run_relay(backend, *, timeout: float = 20.0) -> Relay:
         thread.join(10)
         pytest.fail(f"the relay did not finish within {timeout}s")
     return relay
-
-
-def rows(engine) -> dict[int, sa.Row]:
-    with engine.connect() as conn:
-        return {r.id: r for r in conn.execute(sa.select(messages))}
 
 
 def requests_per_message(ses: FaultServer) -> Counter[int | None]:
@@ -127,7 +109,7 @@ def test_a_paused_configuration_set_answer_is_a_scoped_pause(ses):
             key="k",
             category="default",
             attempt=1,
-            email=email(1, configuration_set="marketing"),
+            email=email(1, short=True, configuration_set="marketing"),
         )
     )
     assert isinstance(outcome, Disabled)
@@ -143,7 +125,10 @@ def test_a_paused_configuration_set_holds_only_its_own_mail(backend, ses):
     ses.plan.paused_sets.add("marketing")
     ids = enqueue(
         backend.engine,
-        [email(n, configuration_set="marketing" if n == 0 else None) for n in range(20)],
+        [
+            email(n, short=True, configuration_set="marketing" if n == 0 else None)
+            for n in range(20)
+        ],
     )
     paused_id = ids[0]
 
@@ -151,7 +136,7 @@ def test_a_paused_configuration_set_holds_only_its_own_mail(backend, ses):
     relay = run_relay(backend)
     took = time.monotonic() - began
 
-    got = rows(backend.engine)
+    got = message_rows(backend.engine)
     assert {i for i in ids if got[i].status == "sent"} == set(ids[1:]), {
         i: (got[i].status, got[i].last_error_code, got[i].last_error_message) for i in ids
     }
@@ -166,7 +151,7 @@ def test_a_paused_configuration_set_holds_only_its_own_mail(backend, ses):
     time.sleep(PAUSE + 0.3)  # until its probe is due
     run_relay(backend)
 
-    final = rows(backend.engine)[paused_id]
+    final = message_rows(backend.engine)[paused_id]
     assert final.status == "sent"
     accepted = [s for s in ses.sends if s.outbox_id == paused_id and s.accepted]
     assert [s.message_id for s in accepted] == [final.provider_message_id]
@@ -175,14 +160,14 @@ def test_a_paused_configuration_set_holds_only_its_own_mail(backend, ses):
 
 def test_a_denied_identity_holds_only_its_own_mail(backend, ses):
     ses.plan.denied_identities.add("promo@example.com")
-    promo = [email(n, sender="Promo <promo@example.com>") for n in range(3)]
-    ids = enqueue(backend.engine, promo + [email(n) for n in range(3, 10)])
+    promo = [email(n, short=True, sender="Promo <promo@example.com>") for n in range(3)]
+    ids = enqueue(backend.engine, promo + [email(n, short=True) for n in range(3, 10)])
 
     began = time.monotonic()
     run_relay(backend)
     took = time.monotonic() - began
 
-    got = rows(backend.engine)
+    got = message_rows(backend.engine)
     assert {i for i in ids if got[i].status == "sent"} == set(ids[3:])
     assert all(got[i].status == "pending" and got[i].attempt_count == 0 for i in ids[:3])
     with backend.engine.connect() as conn:

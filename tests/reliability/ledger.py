@@ -96,14 +96,16 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
-from outbox import Category, Email, Outbox, migrations
+from outbox import Category, Outbox, migrations
 from outbox.schema import attempts, messages, relays
 from relay.db import make_engine
 from relay.testing import read_deliveries
 from tests.support.clocks import shifted
-from tests.support.relays import FAKE_SENDER, RELAY, RelayProc, clean_env, spawn
+from tests.support.factories import email
+from tests.support.relays import FAKE_SENDER, RELAY, RelayProc, clean_env, spawn, statuses
 from tests.support.ses import FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
 from tests.support.tls import make_certificate
+from tests.support.waiting import wait_for
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
 DIGEST = Category(name="digest", backoff_base=0.2, backoff_cap=1.0, ambiguity="resend")
@@ -133,6 +135,7 @@ SCENARIOS = (
 SENDERS = ("ses", "fake")
 SEND_TIMEOUT = 2.0
 LEASE = 5.0
+POLL = 0.05  # seconds between two looks while waiting for something
 BENIGN_ERRORS = ("BrokenPipeError", "ConnectionResetError")
 SES_FAULT_MIX = {"throttle": 0.10, "server_error": 0.05, "hang": 0.02, "reset": 0.01}
 PAUSE_WINDOW = 2.0  # seconds SES answers every send with SendingPausedException
@@ -292,16 +295,6 @@ class RestartWindow:
 # -- setup -----------------------------------------------------------------------------------
 
 
-def email(n: int, configuration_set: str | None = None) -> Email:
-    return Email(
-        sender="Shop <shop@example.com>",
-        to=[f"customer{n}@example.com"],
-        subject=f"ledger {n}",
-        text=f"Thanks for order {n}.",
-        configuration_set=configuration_set,
-    )
-
-
 def category_of(n: int) -> str:
     return ("fast", "digest", "expiring")[n % 3]
 
@@ -326,7 +319,9 @@ def enqueue(
                 chosen = marketing is not None and is_marketing(n)
                 result = OUTBOX.enqueue(
                     session,
-                    email(n, PAUSED_SET if chosen else None),
+                    email(
+                        n, subject=f"ledger {n}", configuration_set=PAUSED_SET if chosen else None
+                    ),
                     key=f"ledger:{n}",
                     category=cat,
                     expires_at=expires_at if cat == "expiring" else None,
@@ -402,7 +397,9 @@ class Fleet:
                 ids = set(conn.execute(sa.select(relays.c.relay_id)).scalars())
             return all(p.relay_id in ids for p in self.running())
 
-        wait_for(all_registered, timeout=timeout, what="every running relay registered")
+        wait_for(
+            all_registered, interval=POLL, timeout=timeout, what="every running relay registered"
+        )
         for proc in self.started:  # a relay must outlive every fault but a signal
             code = proc.popen.poll()
             if code is not None and proc.relay_id not in self.signalled:
@@ -435,7 +432,7 @@ def registered(engine: sa.Engine, fleet: Fleet) -> list[RelayProc]:
             ids = set(conn.execute(sa.select(relays.c.relay_id)).scalars())
         return [p for p in fleet.running() if p.relay_id in ids]
 
-    return wait_for(ready, timeout=30, what="a registered relay")
+    return wait_for(ready, interval=POLL, timeout=30, what="a registered relay")
 
 
 def in_flight(engine: sa.Engine, relay_id: str | None = None) -> int:
@@ -460,25 +457,6 @@ def claims_of(engine: sa.Engine, relay_id: str) -> dict[int, str]:
             )
         )
         return {id_: token for id_, token in rows}
-
-
-def statuses(engine: sa.Engine) -> Counter[str]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.select(messages.c.status, sa.func.count()).group_by(messages.c.status)
-        )
-        return Counter({status: n for status, n in rows})
-
-
-def wait_for(condition: Callable[[], Any], *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def progress(engine: sa.Engine, total: int) -> float:
@@ -717,7 +695,12 @@ def restart_database(engine: sa.Engine, command: str, summary: Summary, workdir:
                 return False
             return True
 
-        wait_for(accepting, timeout=RESTART_TIMEOUT, what="the database to accept connections")
+        wait_for(
+            accepting,
+            interval=POLL,
+            timeout=RESTART_TIMEOUT,
+            what="the database to accept connections",
+        )
     finally:
         watcher.dispose()
     engine.dispose()
@@ -838,6 +821,7 @@ class Faults:
         """Wait until ``mark`` (a share) of the rows have settled."""
         wait_for(
             lambda: progress(self.engine, self.total) >= mark,
+            interval=POLL,
             timeout=120,
             what=f"{mark:.0%} of rows settled",
         )
@@ -851,7 +835,7 @@ def database_outage(f: Faults) -> None:
     had (a commit sent just before the cut), and that nothing moves until the end."""
     if f.proxy is None:
         raise ValueError("the db_outage scenario needs the relays behind a DatabaseProxy")
-    wait_for(lambda: in_flight(f.engine) > 0, timeout=30, what="a send in flight")
+    wait_for(lambda: in_flight(f.engine) > 0, interval=POLL, timeout=30, what="a send in flight")
     began = time.monotonic()
     f.summary.dropped_connections += f.proxy.cut()
     time.sleep(0.5)
@@ -990,6 +974,7 @@ def inject(f: Faults, scenario: str) -> None:
             time.sleep(LEASE + 2.0)
             wait_for(
                 lambda v=victim: in_flight(engine, v.relay_id) == 0,
+                interval=POLL,
                 timeout=30,
                 what="the stopped relay's rows to be swept",
             )
@@ -1448,6 +1433,7 @@ def run(
                 inject(faults, scenario)
                 wait_for(
                     lambda: progress(engine, count) >= 1.0,
+                    interval=POLL,
                     timeout=settle_timeout,
                     what=f"every row settled ({dict(statuses(engine))})",
                 )

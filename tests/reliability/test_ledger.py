@@ -26,7 +26,6 @@ from sqlalchemy.orm import sessionmaker
 
 from outbox.exceptions import InvalidEmail
 from outbox.schema import messages
-from tests.conftest import CI, Backend, Order, _emptied
 from tests.reliability.ledger import (
     LEASE,
     OUTBOX,
@@ -35,7 +34,8 @@ from tests.reliability.ledger import (
     Summary,
     run,
 )
-from tests.unit.test_message import INVALID, make
+from tests.support.db import CI, Backend, Order, emptied
+from tests.support.factories import INVALID, make
 
 RELAYS = 3
 RESTART_ENV = {"postgresql": "OUTBOX_TEST_POSTGRES_RESTART", "mysql": "OUTBOX_TEST_MYSQL_RESTART"}
@@ -302,7 +302,7 @@ def test_a_poisoned_payload_fails_as_invalid_payload_and_the_rest_is_delivered(
 def test_every_invalid_email_field_fails_before_commit_and_the_business_rows_still_commit(
     backend,
 ):
-    """Table-driven over every invalid field of ``tests/unit/test_message.py``'s ``INVALID``:
+    """Table-driven over every invalid field of ``INVALID`` (:mod:`tests.support.factories`):
     the precise error (type and field) reaches the caller inside its transaction, before
     anything is written to the outbox, and the caller's own rows still commit. (Each invalid
     relay setting refusing to start with one line naming it is covered by
@@ -332,7 +332,7 @@ def workdir(path):
 
 @pytest.fixture
 def postgresql(_backends):
-    yield from _emptied(_backends["postgresql"])
+    yield from emptied(_backends["postgresql"])
 
 
 def test_a_transaction_holding_back_xmin_keeps_half_the_throughput_and_loses_nothing(
