@@ -23,3 +23,23 @@ def test_the_licence_file_holds_the_licence_the_metadata_names():
     assert PROJECT["project"]["license"] == "MIT"
     assert (REPO / "LICENSE").read_text().startswith("MIT License\n")
     assert "LICENSE" in PROJECT["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+
+
+def test_dev_tools_are_a_dependency_group_not_a_published_extra():
+    published = " ".join(
+        dep for deps in PROJECT["project"]["optional-dependencies"].values() for dep in deps
+    )
+    dev = " ".join(PROJECT["dependency-groups"]["dev"])
+    for tool in ("mypy", "ruff", "boto3-stubs", "pytest-cov", "pre-commit"):
+        assert tool not in published, f"{tool} is in a published extra"
+        assert tool in dev, f"{tool} is missing from the dev group"
+
+
+def test_ci_installs_the_dev_group_and_runs_the_same_hooks_as_pre_commit():
+    ci = (REPO / ".ci" / "run").read_text()
+    hooks = (REPO / ".pre-commit-config.yaml").read_text()
+    assert "--group dev" in ci
+    assert "--cov-fail-under=" in ci
+    for command in ("ruff check", "ruff format --check", "mypy"):
+        assert command in ci
+        assert f"entry: {command}" in hooks
