@@ -8,31 +8,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
-from sqlalchemy.orm import Session
 
-from outbox import Email, Outbox
 from outbox.schema import attempts, messages, relays
 from relay import store
 from relay.admin import parse_duration
 from relay.cli import main
-
-OB = Outbox()
-
-
-def enqueue(engine, n: int, prefix: str = "k") -> list[int]:
-    with Session(engine) as session:
-        ids = [
-            OB.enqueue(
-                session,
-                Email(
-                    sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"S{i}", text="t"
-                ),
-                key=f"{prefix}:{i}",
-            ).id
-            for i in range(n)
-        ]
-        session.commit()
-    return ids
+from tests.support.factories import enqueue
 
 
 def set_rows(engine, ids, **values) -> None:
@@ -62,7 +43,7 @@ def backlog(backend):
     """Two pending, one unknown_outcome with two provider ids in its attempts, two failed with
     the same code, one failed with another, one sent, and a relay heartbeat."""
     engine = backend.engine
-    ids = enqueue(engine, 8)
+    ids = enqueue(engine, 8, prefix="k", short=True)
     now = datetime.now(UTC)
     set_rows(
         engine,

@@ -17,49 +17,22 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy.orm import Session
 
-from outbox import Category, Email, Outbox
+from outbox import Category, Outbox
 from outbox.exceptions import ConfigurationError
 from outbox.schema import attempts, messages
-from relay.config import RelayConfig
 from relay.db import CONNECT_TIMEOUT, make_engine
 from relay.http import start_http_server
 from relay.metrics import RelayMetrics
 from relay.senders import Accepted, Disabled, OutgoingMessage, Permanent, Transient
 from relay.testing import FakeSender
 from relay.worker import Relay
+from tests.support.factories import enqueue
+from tests.support.inprocess import relay_for
+from tests.support.waiting import wait_for
 
 VERSION = importlib.metadata.version("sqlalchemy-outbox")
 OB = Outbox(categories=[Category(name="fast", max_attempts=5, backoff_base=0.02, backoff_cap=0.05)])
-
-
-def enqueue(engine, n: int, **kw) -> list[int]:
-    ids = []
-    with Session(engine) as session:
-        for i in range(n):
-            email = Email(
-                sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"#{i}", text="hi"
-            )
-            ids.append(OB.enqueue(session, email, **kw).id)
-        session.commit()
-    return ids
-
-
-def make_relay(backend, sender, *, engine=None, url=None, clock=None, **settings) -> Relay:
-    config = RelayConfig(
-        database_url=url or backend.url,
-        relay_id=settings.pop("relay_id", "http-relay"),
-        **{
-            "poll_interval": 0.05,
-            "send_timeout": 1.0,
-            "lease_seconds": 5.0,
-            "drain_seconds": 5.0,
-            **settings,
-        },
-    )
-    kwargs = {"clock": clock} if clock is not None else {}
-    return Relay(engine=engine or backend.engine, sender=sender, config=config, **kwargs)
 
 
 class Page:
@@ -128,14 +101,6 @@ def running(relay: Relay):
     assert not thread.is_alive()
 
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-
-
 def db_counts(engine, query: str) -> dict[tuple, int]:
     with engine.connect() as conn:
         return {tuple(row[:-1]): int(row[-1]) for row in conn.execute(sa.text(query))}
@@ -145,7 +110,7 @@ def db_counts(engine, query: str) -> dict[tuple, int]:
 
 
 def test_health_and_readiness_follow_the_relay_loop(backend):
-    relay = make_relay(backend, FakeSender())
+    relay = relay_for(backend, FakeSender())
     with serving(relay) as http:
         page = http.get("/healthz")
         assert (page.status, page.body) == (503, "starting\n")
@@ -176,7 +141,7 @@ def test_healthz_fails_while_the_loop_is_stuck(backend):
         gate.wait(10)
         return datetime.now(UTC)
 
-    relay = make_relay(backend, FakeSender(), clock=clock)
+    relay = relay_for(backend, FakeSender(), clock=clock)
     with serving(relay, stall_seconds=0.3) as http, running(relay):
         assert http.get("/healthz").status == 200
         gate.clear()
@@ -191,7 +156,7 @@ def test_healthz_fails_while_the_loop_is_stuck(backend):
 def test_readyz_is_503_while_paused_and_the_lag_shows_the_waiting_message(backend):
     (mid,) = enqueue(backend.engine, 1)
     sender = FakeSender(lambda m: Disabled(code="AccountSendingPausedException", pause=True))
-    relay = make_relay(backend, sender, pause_seconds=300)
+    relay = relay_for(backend, sender, pause_seconds=300)
     with serving(relay) as http, running(relay):
         wait_for(lambda: relay.paused)
         page = http.get("/readyz")
@@ -228,7 +193,7 @@ def test_readyz_is_503_while_paused_and_the_lag_shows_the_waiting_message(backen
 def test_readyz_reports_an_unreachable_database_without_its_password(url):
     engine = make_engine(url)
     try:
-        relay = make_relay(None, FakeSender(), engine=engine, url=url)
+        relay = relay_for(None, FakeSender(), engine=engine, url=url)
         with serving(relay) as http:
             page = http.get("/readyz")
             assert page.status == 503
@@ -255,7 +220,7 @@ def test_readyz_answers_within_its_timeout_when_the_database_hangs():
         url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/outbox"
         engine = make_engine(url)
         try:
-            relay = make_relay(None, FakeSender(), engine=engine, url=url)
+            relay = relay_for(None, FakeSender(), engine=engine, url=url)
             with serving(relay, db_timeout=0.3) as http:
                 began = time.monotonic()
                 page = http.get("/readyz")
@@ -285,7 +250,7 @@ def test_healthz_passes_while_a_relay_started_during_an_outage_waits_for_its_dat
     engine = make_engine(url)
     # backoff is capped at a heartbeat interval (lease / 4 = 1.25 s here), under the stall
     # limit, as 30 s is under 60 s in production
-    relay = make_relay(None, FakeSender(), engine=engine, url=url)
+    relay = relay_for(None, FakeSender(), engine=engine, url=url)
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -316,7 +281,7 @@ def test_healthz_fails_once_a_relay_refused_to_start(tmp_path):
     the same way) is not alive: /healthz must not answer 200 for the rest of the stall limit."""
     url = f"sqlite:///{tmp_path / 'never-migrated.db'}"
     engine = make_engine(url)
-    relay = make_relay(None, FakeSender(), engine=engine, url=url)
+    relay = relay_for(None, FakeSender(), engine=engine, url=url)
     try:
         with serving(relay, stall_seconds=60) as http:
             with pytest.raises(ConfigurationError, match="lacks the outbox tables"):
@@ -338,7 +303,7 @@ def test_a_database_host_that_never_answers_does_not_stall_the_loop_past_its_hea
         port = listener.getsockname()[1]
         url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/outbox"
         engine = make_engine(url)
-        relay = make_relay(None, FakeSender(), engine=engine, url=url)
+        relay = relay_for(None, FakeSender(), engine=engine, url=url)
         thread = threading.Thread(target=relay.run, name="relay-db-silent", daemon=True)
         stall = CONNECT_TIMEOUT * 0.8
         try:
@@ -364,7 +329,7 @@ def test_a_database_host_that_never_answers_does_not_stall_the_loop_past_its_hea
 
 def test_metrics_match_what_the_database_holds(backend):
     """8 messages: two fail transiently once, one twice, one permanently."""
-    ids = enqueue(backend.engine, 8, category="fast")
+    ids = enqueue(backend.engine, 8, outbox=OB, category="fast", short=True)
     script = {("#0", 1), ("#1", 1), ("#3", 1), ("#3", 2)}
 
     def outcome(message: OutgoingMessage):
@@ -375,7 +340,7 @@ def test_metrics_match_what_the_database_holds(backend):
         return Accepted(provider_message_id=f"p-{message.id}")
 
     sender = FakeSender(outcome, latency=0.01)
-    relay = make_relay(backend, sender)
+    relay = relay_for(backend, sender, relay_id="http-relay")
     with serving(relay) as http, running(relay):
         open_states = "SELECT COUNT(*) FROM outbox_messages WHERE status IN "
         open_states += "('pending', 'retrying', 'processing')"
@@ -428,7 +393,7 @@ def test_metrics_match_what_the_database_holds(backend):
 
 
 def test_metrics_page_is_prometheus_text_with_conventional_names(backend):
-    relay = make_relay(backend, FakeSender())
+    relay = relay_for(backend, FakeSender())
     with serving(relay) as http:
         page = http.get("/metrics")
     assert (page.status, page.content_type) == (200, CONTENT_TYPE_LATEST)
@@ -453,7 +418,7 @@ def test_metrics_page_is_prometheus_text_with_conventional_names(backend):
 
 def test_in_flight_and_rate_limit_gauges_read_the_running_relay(backend):
     """#0 is throttled once (the relay halves its rate), #1 hangs in flight until released."""
-    enqueue(backend.engine, 2)
+    enqueue(backend.engine, 2, short=True)
     gate = threading.Event()
 
     def outcome(message: OutgoingMessage):
@@ -463,7 +428,7 @@ def test_in_flight_and_rate_limit_gauges_read_the_running_relay(backend):
             gate.wait(10)
         return Accepted(provider_message_id=f"p-{message.id}")
 
-    relay = make_relay(backend, FakeSender(outcome), max_send_rate=5.0)
+    relay = relay_for(backend, FakeSender(outcome), max_send_rate=5.0)
     with serving(relay) as http:
         assert value(http.samples(), "outbox_send_rate_limit") == 5.0
         with running(relay):
@@ -479,8 +444,8 @@ def test_in_flight_and_rate_limit_gauges_read_the_running_relay(backend):
 
 def test_each_relay_counts_only_its_own_messages(backend):
     enqueue(backend.engine, 3)
-    first = make_relay(backend, FakeSender(), relay_id="first", exit_when_idle=True)
-    second = make_relay(backend, FakeSender(), relay_id="second")
+    first = relay_for(backend, FakeSender(), relay_id="first", exit_when_idle=True)
+    second = relay_for(backend, FakeSender(), relay_id="second")
     with serving(first) as one, serving(second) as two:
         first.run()
         counted = named(one.samples(), "outbox_messages_total")
@@ -493,7 +458,7 @@ def test_each_relay_counts_only_its_own_messages(backend):
 
 
 def test_lag_is_read_at_most_once_per_interval(backend):
-    relay = make_relay(backend, FakeSender())
+    relay = relay_for(backend, FakeSender())
     with serving(relay, lag_interval=3600) as http:
         assert named(http.samples(), "outbox_lag_seconds") == {}, "nothing due"
         (mid,) = enqueue(backend.engine, 1)

@@ -11,54 +11,18 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
-from outbox import Email, Outbox
 from outbox.exceptions import ConfigurationError
 from outbox.schema import attempts, messages, relays, send_budget, send_budget_lock
 from relay import store
 from relay.clock import read_database_time
-from relay.config import RelayConfig
 from relay.ratelimit import Booking
 from relay.testing import FakeSender, run_until_idle
-from relay.worker import Relay
+from tests.support.factories import enqueue
+from tests.support.inprocess import relay_for
+from tests.support.waiting import wait_for
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, 123456, tzinfo=UTC)
-
-
-def enqueue(engine: sa.Engine, n: int) -> list[int]:
-    ob, ids = Outbox(), []
-    with Session(engine) as session:
-        for i in range(n):
-            email = Email(
-                sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"#{i}", text="hi"
-            )
-            ids.append(ob.enqueue(session, email, key=f"budget:{i}").id)
-        session.commit()
-    return ids
-
-
-def relay_for(backend, sender, **settings) -> Relay:
-    config = RelayConfig(
-        database_url=backend.url,
-        relay_id=settings.pop("relay_id", "budget-relay"),
-        **{
-            "poll_interval": 0.05,
-            "send_timeout": 1.0,
-            "lease_seconds": 5.0,
-            "drain_seconds": 5.0,
-            **settings,
-        },
-    )
-    return Relay(engine=backend.engine, sender=sender, config=config)
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- the budget's statements ----------------------------------------------------------------
@@ -189,7 +153,7 @@ def test_a_relay_refuses_to_start_under_a_live_relays_id(backend):
         store.register(
             conn, relay_id="budget-relay", host="elsewhere", pid=4242, now=now, dead_after=30
         )
-    relay = relay_for(backend, FakeSender(), exit_when_idle=True)
+    relay = relay_for(backend, FakeSender(), relay_id="budget-relay", exit_when_idle=True)
     with pytest.raises(ConfigurationError, match="--relay-id") as refused:
         relay.run()
     assert "elsewhere" in str(refused.value)
@@ -202,7 +166,8 @@ def test_a_relay_refuses_to_start_under_a_live_relays_id(backend):
 def test_a_relay_whose_id_was_taken_over_stops_and_leaves_the_row_to_its_successor(backend, caplog):
     """The relay looked dead (frozen, cut off) and another took its id: at its next heartbeat
     it finds the row is not its own, and stops instead of sharing it."""
-    relay = relay_for(backend, FakeSender())  # lease 5 s: a heartbeat every 1.25 s
+    # lease 5 s: a heartbeat every 1.25 s
+    relay = relay_for(backend, FakeSender(), relay_id="budget-relay")
     thread = threading.Thread(target=relay.run, daemon=True)
     thread.start()
     try:

@@ -29,14 +29,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from sqlalchemy.orm import Session as DbSession
 
 from outbox import Attachment, Category, Email, Outbox, Status
 from outbox.schema import attempts, messages
-from relay.config import RelayConfig
 from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
 from relay.senders.smtp import OUTBOX_ID_HEADER, SmtpSender, SmtpSettings
-from relay.worker import Relay
+from tests.support.db import attempt_rows, rows
+from tests.support.factories import enqueue
+from tests.support.inprocess import relay_for
+from tests.support.waiting import wait_for
 
 USER, PASSWORD = "relay-user", "s3cret-pa55word"
 
@@ -269,14 +270,6 @@ def outgoing(n: int = 1, **fields) -> OutgoingMessage:
     return OutgoingMessage(
         id=n, key=f"order:{n}", category="transactional", attempt=1, email=Email(**values)
     )
-
-
-def wait_for(predicate, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 # -- delivery and content ------------------------------------------------------------------
@@ -735,53 +728,20 @@ def test_implicit_tls_against_a_plain_server_is_transient(server, make_sender, t
 
 # -- the relay, end to end -------------------------------------------------------------------
 
-
-OB = Outbox()
-
-
-def enqueue(engine, n: int) -> list[int]:
-    ids = []
-    with DbSession(engine) as session:
-        for i in range(n):
-            mail = Email(
-                sender="shop@example.com",
-                to=[f"c{i}@example.com"],
-                bcc=["archive@example.com"],
-                subject=f"#{i}",
-                text="hello",
-            )
-            ids.append(OB.enqueue(session, mail, key=f"smtp-e2e:{i}").id)
-        session.commit()
-    return ids
-
-
-def relay_for(backend, sender, **settings) -> Relay:
-    config = RelayConfig(
-        database_url=backend.url,
-        relay_id="smtp-relay",
-        **{
-            "poll_interval": 0.05,
-            "send_timeout": 2.0,
-            "lease_seconds": 10.0,
-            "drain_seconds": 5.0,
-            "concurrency": 3,
-            **settings,
-        },
-    )
-    return Relay(engine=backend.engine, sender=sender, config=config)
-
-
-def rows(engine):
-    with engine.connect() as conn:
-        return conn.execute(sa.select(messages).order_by(messages.c.id)).all()
+RELAY_SETTINGS = {
+    "relay_id": "smtp-relay",
+    "send_timeout": 2.0,
+    "lease_seconds": 10.0,
+    "concurrency": 3,
+}
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_relay_delivers_the_backlog_over_smtp(backend, server, make_sender):
-    ids = enqueue(backend.engine, 5)
+    ids = enqueue(backend.engine, 5, short=True, bcc=["archive@example.com"])
     sender = make_sender(server.port)
 
-    relay_for(backend, sender, exit_when_idle=True).run()
+    relay_for(backend, sender, **RELAY_SETTINGS, exit_when_idle=True).run()
 
     received = Counter(int(got.message[OUTBOX_ID_HEADER]) for got in server.handler.received)
     assert received == Counter({i: 1 for i in ids})
@@ -802,9 +762,9 @@ def test_relay_delivers_the_backlog_over_smtp(backend, server, make_sender):
 def test_relay_pauses_on_bad_credentials_and_resumes(backend, start_server, make_sender):
     accept = threading.Event()
     server = plain_auth_server(start_server, accept)
-    ids = enqueue(backend.engine, 3)
+    ids = enqueue(backend.engine, 3, short=True, bcc=["archive@example.com"])
     sender = make_sender(server.port, username=USER, password=PASSWORD)
-    relay = relay_for(backend, sender, exit_when_idle=True, pause_seconds=0.2)
+    relay = relay_for(backend, sender, **RELAY_SETTINGS, exit_when_idle=True, pause_seconds=0.2)
     runner = threading.Thread(target=relay.run)
     runner.start()
     try:
@@ -848,18 +808,6 @@ class Recording:
 QUICK = Outbox(categories=[Category(name="quick", backoff_base=0.01, backoff_cap=0.01)])
 
 
-def enqueue_one(engine, mail: Email) -> int:
-    with DbSession(engine) as session:
-        message_id = QUICK.enqueue(session, mail, key="smtp-e2e:one", category="quick").id
-        session.commit()
-    return message_id
-
-
-def attempt_rows(engine):
-    with engine.connect() as conn:
-        return conn.execute(sa.select(attempts).order_by(attempts.c.id)).all()
-
-
 @dataclass
 class Greylisting(Handler):
     """Answers 450 to the first RCPT for each address in ``greylist``, 250 from then on."""
@@ -879,10 +827,14 @@ def test_relay_retries_a_greylisted_message_and_delivers_it_to_everyone_once(
 ):
     to, cc = "to@example.com", "cc@example.com"
     server = start_server(Greylisting(greylist={cc}))
-    message_id = enqueue_one(
-        backend.engine, Email(sender="shop@example.com", to=[to], cc=[cc], subject="s", text="t")
+    (message_id,) = enqueue(
+        backend.engine,
+        [Email(sender="shop@example.com", to=[to], cc=[cc], subject="s", text="t")],
+        outbox=QUICK,
+        key="smtp-e2e:one",
+        category="quick",
     )
-    relay = relay_for(backend, make_sender(server.port))
+    relay = relay_for(backend, make_sender(server.port), **RELAY_SETTINGS)
     runner = threading.Thread(target=relay.run)
     runner.start()
     try:
@@ -909,13 +861,17 @@ def test_relay_retries_a_greylisted_message_and_delivers_it_to_everyone_once(
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_relay_sends_to_the_to_when_a_cc_is_refused_for_good(backend, server, make_sender):
     to, cc = "to@example.com", "gone@example.com"
-    enqueue_one(
-        backend.engine, Email(sender="shop@example.com", to=[to], cc=[cc], subject="s", text="t")
+    enqueue(
+        backend.engine,
+        [Email(sender="shop@example.com", to=[to], cc=[cc], subject="s", text="t")],
+        outbox=QUICK,
+        key="smtp-e2e:one",
+        category="quick",
     )
     server.handler.rcpt_replies[cc] = "550 5.1.1 no such user"
     sender = Recording(make_sender(server.port))
 
-    relay_for(backend, sender, exit_when_idle=True).run()
+    relay_for(backend, sender, **RELAY_SETTINGS, exit_when_idle=True).run()
 
     (row,) = rows(backend.engine)
     assert (row.status, row.attempt_count) == (Status.SENT, 1)
@@ -935,7 +891,7 @@ def test_relay_sends_to_the_to_when_a_cc_is_refused_for_good(backend, server, ma
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_outbox_relay_run_with_the_smtp_flags(backend, server):
     """The real CLI, as a process: --sender smtp with its flags from OUTBOX_* variables."""
-    ids = enqueue(backend.engine, 4)
+    ids = enqueue(backend.engine, 4, short=True, bcc=["archive@example.com"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env.update(
         OUTBOX_DATABASE_URL=backend.url,
