@@ -29,6 +29,7 @@ from relay.admin import CHANGE_BATCH
 from relay.cli import main
 from relay.db import make_engine
 from tests.support.relays import RELAY, clean_env
+from tests.support.waiting import wait_for
 
 OB = Outbox()
 N = 3000  # six batches of CHANGE_BATCH
@@ -288,13 +289,6 @@ def lock_waiters(engine: sa.Engine) -> int:
         return int(conn.execute(sa.text(sql)).scalar_one())
 
 
-def wait_until(condition, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_cancel_racing_a_relay_claim_leaves_the_claimed_rows_to_the_relay(server_backend):
     """The relay's claim commits while the cancel waits on its rows: the cancel, which had
     counted them as pending, finds them processing and leaves them (and records nothing)."""
@@ -317,9 +311,11 @@ def test_a_cancel_racing_a_relay_claim_leaves_the_claimed_rows_to_the_relay(serv
                 text=True,
             )
             try:
-                wait_until(
+                wait_for(
                     lambda: lock_waiters(engine) > 0 or operator.poll() is not None,
-                    "the cancel to wait on the claim",
+                    timeout=30,
+                    interval=0.05,
+                    what="the cancel to wait on the claim",
                 )
                 assert operator.poll() is None, operator.communicate()
                 claim.commit()
