@@ -35,12 +35,14 @@ EXPORTS = {
     "relay.senders": [
         "Accepted",
         "Ambiguous",
+        "BaseSender",
         "Disabled",
         "Outcome",
         "OutgoingMessage",
         "Permanent",
         "Sender",
         "Transient",
+        "as_sender",
     ],
     "relay.policy": [
         "THROTTLE_FLOOR_SECONDS",
