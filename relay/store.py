@@ -87,6 +87,7 @@ __all__ = [
     "requeue_many",
     "schedule_retry",
     "send_bookings",
+    "settle_expired_leases",
     "statuses_of",
     "stop_held",
     "sweep_candidates",
@@ -812,24 +813,29 @@ def sweep_candidates(
     ]
 
 
-def sweep_expired_leases(
-    conn: sa.Connection, *, now: datetime, relay_id: str, rng: random.Random, limit: int = 500
-) -> list[tuple[StaleLease, Decision]]:
-    """sweep_expired_leases -- Settle processing rows whose lease ran out before ``now``.
+def settle_expired_leases(
+    conn: sa.Connection,
+    leases: Iterable[StaleLease],
+    *,
+    now: datetime,
+    relay_id: str,
+    rng: random.Random,
+) -> list[tuple[StaleLease, Decision, bool]]:
+    """sweep_expired_leases (write) -- Settle ``leases`` that :func:`sweep_candidates` read
+    at ``now``, in their order.
 
-    A row whose send never started goes back to pending/retrying with no attempt counted; one
-    whose send may have begun goes to unknown_outcome (policy ``hold``) or retrying
-    (``resend``), with a ``lease_expired`` attempt recorded under the claim that made it. Each
-    row is moved by its own guarded UPDATE (claim token, and lease still expired), so a relay
-    that renews its lease in between keeps its row, and racing sweeps are harmless. Returns
-    the rows this call moved, with the decision applied. ``rng`` draws the retries' jitter.
+    Each is decided (released if the send never started, else per the ambiguity policy) and
+    applied by its own guarded UPDATE (claim token, and ``expired_before=now``); a moved row
+    whose send had started gets a ``lease_expired`` attempt under the claim that made it.
+    Returns every lease with its decision and whether this call moved the row. ``rng`` draws
+    the retries' jitter.
     """
-    swept: list[tuple[StaleLease, Decision]] = []
-    for lease in sweep_candidates(conn, now=now, limit=limit):
+    settled: list[tuple[StaleLease, Decision, bool]] = []
+    for lease in leases:
         started = lease.send_started_at is not None
         decision = decide(LeaseExpired(send_started=started), lease.claim.state, now, rng)
-        if apply_decision(conn, lease.claim, decision, now, expired_before=now):
-            swept.append((lease, decision))
+        moved = apply_decision(conn, lease.claim, decision, now, expired_before=now)
+        settled.append((lease, decision, moved))
     record_attempts(
         conn,
         (
@@ -843,11 +849,29 @@ def sweep_expired_leases(
                 error_code=decision.code,
                 error_message=f"swept by {relay_id}",
             )
-            for lease, decision in swept
-            if lease.send_started_at is not None
+            for lease, decision, moved in settled
+            if moved and lease.send_started_at is not None
         ),
     )
-    return swept
+    return settled
+
+
+def sweep_expired_leases(
+    conn: sa.Connection, *, now: datetime, relay_id: str, rng: random.Random, limit: int = 500
+) -> list[tuple[StaleLease, Decision]]:
+    """sweep_expired_leases -- Settle processing rows whose lease ran out before ``now``.
+
+    A row whose send never started goes back to pending/retrying with no attempt counted; one
+    whose send may have begun goes to unknown_outcome (policy ``hold``) or retrying
+    (``resend``), with a ``lease_expired`` attempt recorded under the claim that made it. Each
+    row is moved by its own guarded UPDATE (claim token, and lease still expired), so a relay
+    that renews its lease in between keeps its row, and racing sweeps are harmless. Returns
+    the rows this call moved, with the decision applied. ``rng`` draws the retries' jitter.
+    The read is :func:`sweep_candidates`, the write :func:`settle_expired_leases`.
+    """
+    stale = sweep_candidates(conn, now=now, limit=limit)
+    settled = settle_expired_leases(conn, stale, now=now, relay_id=relay_id, rng=rng)
+    return [(lease, decision) for lease, decision, moved in settled if moved]
 
 
 def expire(conn: sa.Connection, *, now: datetime, limit: int = 1000) -> list[Expired]:

@@ -12,8 +12,8 @@ the delivery ledger (what the provider may have received) and, from the database
 every step, checks that no row is held under two live claims, that no row is claimed or marked
 again after ``unknown_outcome`` unless an operator requeued it, that a message reaches the
 provider twice only under the ``resend`` policy or after a requeue, that every transition is
-one the state machine allows (DESIGN.md section 4), and that a final sweep leaves nothing in
-``processing``.
+one the state machine allows (docs/design.md, "The state machine"), and that a final sweep
+leaves nothing in ``processing``.
 
 ``RacingSweepMachine`` also pulls the sweep's read and write apart, as two replicas at READ
 COMMITTED do: the holder of a row may act in between.
@@ -283,31 +283,11 @@ class StoreMachine(RuleBasedStateMachine):
         stale: list[store.StaleLease],
         rows: dict[int, sa.Row],
     ) -> None:
-        """``store.sweep_expired_leases`` in two halves: settle the leases ``sweep_candidates``
-        read at ``now``, each by its own claim token with ``expired_before=now``. ``rows``:
-        the rows as they are when the sweep writes."""
-        results = []
-        for lease in stale:
-            started = lease.send_started_at is not None
-            decision = decide(LeaseExpired(send_started=started), lease.claim.state, now, self.rng)
-            ok = store.apply_decision(conn, lease.claim, decision, now, expired_before=now)
-            results.append((lease, decision, ok))
-        store.record_attempts(
-            conn,
-            [
-                store.AttemptRecord(
-                    message_id=lease.claim.id,
-                    claim_token=lease.claim.claim_token,
-                    relay_id=lease.claimed_by,
-                    started_at=lease.send_started_at,
-                    finished_at=now,
-                    outcome="lease_expired",
-                    error_code=decision.code,
-                    error_message=f"swept by {view.relay_id}",
-                )
-                for lease, decision, ok in results
-                if ok and lease.send_started_at is not None
-            ],
+        """The write half of ``store.sweep_expired_leases``, ``store.settle_expired_leases``,
+        on the leases ``sweep_candidates`` read at ``now``. ``rows``: the rows as they are
+        when the sweep writes."""
+        results = store.settle_expired_leases(
+            conn, stale, now=now, relay_id=view.relay_id, rng=self.rng
         )
         self.check_swept(conn, now, results, rows)
 
