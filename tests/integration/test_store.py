@@ -1,14 +1,16 @@
 """relay.store scenarios on SQLite, PostgreSQL and MariaDB, driven with an explicit clock.
 
-Each test proves one rule of the state machine (DESIGN.md section 4) by calling the guarded
-store transitions directly, with datetimes built here instead of the wall clock. Tests that need
-two transactions open at the same time run on the servers only (``server_backend``).
+Each test proves one rule of the state machine (docs/design.md, "The state machine") by
+calling the guarded store transitions directly, with datetimes built here instead of the wall
+clock. Tests that need two transactions open at the same time run on the servers only
+(``server_backend``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -19,13 +21,16 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from outbox import AmbiguityPolicy, Category, Email, Outbox, Status
+from outbox import AmbiguityPolicy, Category, Outbox, Status
 from outbox.enqueue import build_row
 from outbox.schema import attempts, messages
 from relay import store
 from relay.db import make_engine as relay_engine
 from relay.policy import Action, Decision, LeaseExpired, decide
 from relay.senders import Accepted, Ambiguous, Disabled, Permanent, Transient
+from tests.support import factories
+from tests.support.db import attempt_rows, row
+from tests.support.factories import email
 
 # A fixed instant after the wall clock: ``not_before`` then pins next_attempt_at to it exactly,
 # and every ``now`` below is built from it, never read from a clock.
@@ -52,37 +57,8 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def email(n: int = 1) -> Email:
-    return Email(
-        sender="shop@example.com",
-        to=[f"customer{n}@example.com"],
-        subject=f"Order {n}",
-        text=f"Thanks for order {n}.",
-    )
-
-
-def enqueue(
-    engine: sa.Engine,
-    n: int = 1,
-    *,
-    due: datetime = T0,
-    priority: int = 0,
-    category: str = "default",
-    expires_at: datetime | None = None,
-) -> list[int]:
-    """Enqueue ``n`` messages through the app-side API, due at ``due``; return their ids."""
-    with Session(engine) as session, session.begin():
-        return [
-            OB.enqueue(
-                session,
-                email(i),
-                category=category,
-                priority=priority,
-                not_before=due,
-                expires_at=expires_at,
-            ).id
-            for i in range(n)
-        ]
+enqueue = functools.partial(factories.enqueue, outbox=OB, not_before=T0)
+"""Enqueue through the app-side API, due at T0 unless ``not_before`` says otherwise."""
 
 
 def run(engine: sa.Engine, fn: Callable[..., Any], **kw: Any) -> Any:
@@ -127,13 +103,8 @@ def mark(engine: sa.Engine, claims: list[store.Claim], now: datetime) -> set[int
     )
 
 
-def row(engine: sa.Engine, message_id: int) -> sa.Row[Any]:
-    with engine.connect() as conn:
-        return conn.execute(sa.select(messages).where(messages.c.id == message_id)).one()
-
-
 def snapshot(engine: sa.Engine, message_id: int) -> dict[str, Any]:
-    return dict(row(engine, message_id)._mapping)
+    return dict(row(engine, message_id, payload=True)._mapping)
 
 
 def settle(engine: sa.Engine, claim: store.Claim, decision: Decision, now: datetime) -> bool:
@@ -145,11 +116,6 @@ def sweep(engine: sa.Engine, now: datetime) -> list[tuple[store.StaleLease, Deci
     """The relay's sweep, as one of its ticks runs it; returns the rows it moved."""
     with engine.begin() as conn:
         return store.sweep_expired_leases(conn, now=now, relay_id="sweeper", rng=RNG)
-
-
-def attempt_rows(engine: sa.Engine) -> list[sa.Row[Any]]:
-    with engine.connect() as conn:
-        return list(conn.execute(sa.select(attempts).order_by(attempts.c.id)))
 
 
 def make(engine: sa.Engine, status: Status) -> int:
@@ -501,7 +467,7 @@ def test_stale_lease_after_the_send_began_is_retried_under_the_resend_policy(eng
 
 
 def test_stale_lease_before_the_send_began_goes_back_to_pending_uncounted(engine):
-    (mid,) = enqueue(engine, due=at(-5))
+    (mid,) = enqueue(engine, not_before=at(-5))
     claim_one(engine, T0)
     ((_, decision),) = sweep(engine, at(LEASE + 1))
     assert decision.action is Action.RELEASE
@@ -812,7 +778,7 @@ def test_expire_moves_pending_and_retrying_rows_past_their_expiry_even_if_unclai
     # Its next attempt would come after its expiry: it is not due when it expires.
     retry = Decision(action=Action.RETRY, next_attempt_at=at(200), code="Throttling")
     assert settle(engine, c, retry, T0)
-    (unclaimed,) = enqueue(engine, due=at(10), expires_at=at(50))  # never claimed
+    (unclaimed,) = enqueue(engine, not_before=at(10), expires_at=at(50))  # never claimed
     (processing,) = enqueue(engine, expires_at=at(50))
     assert claim_one(engine, T0).id == processing
     (later,) = enqueue(engine, expires_at=at(51))
@@ -834,8 +800,8 @@ def test_expire_moves_pending_and_retrying_rows_past_their_expiry_even_if_unclai
 
 
 def test_claims_follow_priority_then_due_time_then_id_across_pending_and_retrying(engine):
-    (x,) = enqueue(engine, due=at(5))
-    r_a, r_b = enqueue(engine, 2, due=T0)
+    (x,) = enqueue(engine, not_before=at(5))
+    r_a, r_b = enqueue(engine, 2, not_before=T0)
     claims = claim(engine, T0)
     assert [c.id for c in claims] == [r_a, r_b]
     for c, when in zip(claims, (at(5), at(2)), strict=True):
@@ -849,11 +815,11 @@ def test_claims_follow_priority_then_due_time_then_id_across_pending_and_retryin
             message=None,
             now=T0,
         )
-    (y,) = enqueue(engine, due=at(5))
-    (low,) = enqueue(engine, due=at(20), priority=-1)
-    (high,) = enqueue(engine, due=T0, priority=5)
-    (z,) = enqueue(engine, due=at(10))
-    (later,) = enqueue(engine, due=at(100), priority=-5)
+    (y,) = enqueue(engine, not_before=at(5))
+    (low,) = enqueue(engine, not_before=at(20), priority=-1)
+    (high,) = enqueue(engine, not_before=T0, priority=5)
+    (z,) = enqueue(engine, not_before=at(10))
+    (later,) = enqueue(engine, not_before=at(100), priority=-5)
     expected = [low, r_b, x, r_a, y, z, high]
     assert {row(engine, i).status for i in (r_a, r_b)} == {Status.RETRYING}
 
@@ -868,7 +834,7 @@ def test_claims_follow_priority_then_due_time_then_id_across_pending_and_retryin
 
 
 def test_a_batch_limit_is_filled_from_both_statuses_in_order(engine):
-    r_ids = enqueue(engine, 3, due=T0)
+    r_ids = enqueue(engine, 3, not_before=T0)
     for c, second in zip(claim(engine, T0), (1, 3, 5), strict=True):
         assert settle(
             engine,
@@ -876,7 +842,7 @@ def test_a_batch_limit_is_filled_from_both_statuses_in_order(engine):
             Decision(action=Action.RETRY, next_attempt_at=at(second), code="x"),
             T0,
         )
-    p_ids = [enqueue(engine, due=at(second))[0] for second in (2, 4, 6)]
+    p_ids = [enqueue(engine, not_before=at(second))[0] for second in (2, 4, 6)]
     got = claim(engine, at(10), limit=4)
     assert {c.id for c in got} == {r_ids[0], p_ids[0], r_ids[1], p_ids[1]}
     assert {c.id for c in claim(engine, at(10), limit=4)} == {r_ids[2], p_ids[2]}

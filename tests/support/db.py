@@ -154,9 +154,10 @@ def rows(engine: sa.Engine) -> list[sa.Row[Any]]:
         return list(conn.execute(sa.select(messages).order_by(messages.c.id)))
 
 
-def row(engine: sa.Engine, message_id: int) -> sa.Row[Any]:
-    """One message's row, without its payload (which a test may have made unreadable)."""
-    columns = [c for c in messages.c if c.name != "payload"]
+def row(engine: sa.Engine, message_id: int, *, payload: bool = False) -> sa.Row[Any]:
+    """One message's row; its payload column (which a test may have made unreadable) only
+    with ``payload``."""
+    columns = [c for c in messages.c if payload or c.name != "payload"]
     with engine.connect() as conn:
         return conn.execute(sa.select(*columns).where(messages.c.id == message_id)).one()
 
