@@ -54,6 +54,7 @@ from relay.senders import (
     Permanent,
     Sender,
     Transient,
+    as_sender,
 )
 
 __all__ = ["Relay"]
@@ -160,7 +161,7 @@ class Relay:
         the random source of every jitter (retry backoff, polling, reconnecting), a seeded one
         for a replayable run."""
         self.engine = engine
-        self.sender = sender
+        self.sender = as_sender(sender)
         self.config = config
         self._db_clock = DatabaseClock() if clock is None else None
         self.clock: Callable[[], datetime] = clock if clock is not None else self._db_clock  # type: ignore[assignment]
@@ -226,8 +227,7 @@ class Relay:
         setting = self.config.max_send_rate
         if setting != "auto":
             return setting
-        probe = getattr(self.sender, "max_send_rate", None)
-        rate = probe() if callable(probe) else None
+        rate = self.sender.max_send_rate()
         if rate is None:
             log.warning(
                 "--max-send-rate auto: the sender reports no account rate; using %g/s",

@@ -3,6 +3,7 @@ how ``--sender smtp`` maps its flags onto SmtpSettings."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -183,3 +184,24 @@ def test_bad_smtp_flags_are_refused_naming_the_flag(flags, setting, text):
     assert caught.value.setting == setting
     assert text in str(caught.value)
     assert "hunter2" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("sender", "rate"), [(SendOnly, None), (Partial, 14)])
+def test_a_relay_given_a_send_only_object_delivers_with_the_defaults(tmp_path, sender, rate):
+    import sqlalchemy as sa
+
+    from outbox import Outbox, migrations
+    from relay.testing import run_until_idle
+    from relay.worker import Relay
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'outbox.db'}")
+    migrations.upgrade(engine)
+    with sa.orm.Session(engine) as session, session.begin():
+        ids = [Outbox().enqueue(session, MESSAGE.email, key=f"k{n}").id for n in range(3)]
+    given = sender()
+    config = dataclasses.replace(CONFIG, max_send_rate="auto")
+    relay = Relay(engine=engine, sender=given, config=config)
+    assert relay.sender.max_send_rate() == rate
+    run_until_idle(engine, given, max_send_rate="auto")
+    assert sorted(given.sent) == sorted(ids)
+    engine.dispose()
