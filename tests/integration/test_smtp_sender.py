@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import email
 import email.policy
-import ipaddress
 import logging
 import os
 import socket
@@ -25,10 +23,6 @@ import sqlalchemy as sa
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP as SMTPServer
 from aiosmtpd.smtp import AuthResult, Envelope, LoginPassword, Session
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from outbox import Attachment, Category, Email, Outbox, Status
 from outbox.schema import attempts, messages
@@ -37,6 +31,7 @@ from relay.senders.smtp import OUTBOX_ID_HEADER, SmtpSender, SmtpSettings
 from tests.support.db import attempt_rows, rows
 from tests.support.factories import enqueue
 from tests.support.inprocess import relay_for
+from tests.support.tls import make_certificate
 from tests.support.waiting import wait_for
 
 USER, PASSWORD = "relay-user", "s3cret-pa55word"
@@ -221,39 +216,10 @@ class Tls:
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory) -> Tls:
-    """A self-signed certificate for 127.0.0.1 (IP SAN), made here with ``cryptography``."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "outbox test smtp")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    folder: Path = tmp_path_factory.mktemp("tls")
-    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server.load_cert_chain(cert_file, key_file)
-    client = ssl.create_default_context(cafile=str(cert_file))
-    return Tls(server=server, client=client)
+    """A self-signed certificate for 127.0.0.1 (IP SAN), made by ``tests.support.tls``."""
+    certificate = make_certificate(tmp_path_factory.mktemp("tls"), "outbox test smtp")
+    client = ssl.create_default_context(cafile=str(certificate.cert_file))
+    return Tls(server=certificate.server_context(), client=client)
 
 
 # -- messages --------------------------------------------------------------------------------
