@@ -31,6 +31,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
+import tenacity
 from blinker import NamedSignal
 from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
@@ -142,6 +143,10 @@ def _scopes(email: Email) -> tuple[Scope, ...]:
         Scope(ScopeKind.IDENTITY, address),
         Scope(ScopeKind.IDENTITY, domain),
     )
+
+
+class _Stopped(Exception):
+    """Raised out of the start-up wait's sleep when the relay is told to stop."""
 
 
 class Relay:
@@ -272,16 +277,26 @@ class Relay:
         (nothing was claimed, nothing is registered). Each try is a sign of life for
         ``/healthz`` (``waiting_at``): a relay started during an outage must not be restarted
         by its liveness probe for it."""
-        self.waiting_at = time.monotonic()
-        while self._with_db(self._check_schema) is None:
-            if self._stopping.wait(self._db_backoff()):
-                self._pool.shutdown(wait=False)
-                self._drop_connection()
-                log.info("stopped before the database answered", extra={"action": "stopped"})
-                return False
-            self.waiting_at = time.monotonic()
+        waiting = tenacity.Retrying(
+            retry=tenacity.retry_if_result(lambda checked: checked is None),
+            wait=lambda _: self._db_backoff(),
+            sleep=self._sleep_unless_stopped,
+            before=lambda _: setattr(self, "waiting_at", time.monotonic()),
+        )
+        try:
+            waiting(self._with_db, self._check_schema)
+        except _Stopped:
+            self._pool.shutdown(wait=False)
+            self._drop_connection()
+            log.info("stopped before the database answered", extra={"action": "stopped"})
+            return False
         self._with_db(self._register)
         return True
+
+    def _sleep_unless_stopped(self, seconds: float) -> None:
+        """The start-up wait's sleep: a stop ends it at once, and no try follows it."""
+        if self._stopping.wait(seconds):
+            raise _Stopped
 
     # -- one tick --------------------------------------------------------------------------
 
