@@ -25,9 +25,9 @@ from relay.testing import FakeSender
 from relay.worker import Relay
 from tests.support.db import attempt_rows, row, statuses
 from tests.support.factories import enqueue
+from tests.support.hand_clocks import Clock
 from tests.support.inprocess import (
     OUTBOX,
-    Clock,
     HeldSender,
     Run,
     closing,

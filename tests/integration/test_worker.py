@@ -17,7 +17,8 @@ from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Perman
 from relay.testing import FakeSender
 from tests.support.db import attempt_rows, row, statuses
 from tests.support.factories import enqueue
-from tests.support.inprocess import OUTBOX, Clock, relay_for, settle
+from tests.support.hand_clocks import Clock
+from tests.support.inprocess import OUTBOX, relay_for, settle
 
 
 def test_run_drains_the_backlog_and_exits_when_idle(backend):

@@ -28,9 +28,9 @@ from relay.testing import FakeSender
 from relay.worker import Relay
 from tests.support.db import attempt_rows, row, statuses
 from tests.support.factories import email, enqueue
+from tests.support.hand_clocks import Clock
 from tests.support.inprocess import (
     OUTBOX,
-    Clock,
     HeldSender,
     closing,
     receiving,

@@ -1,8 +1,8 @@
 """A relay run inside the test process, with a FakeSender or a sender the test holds open.
 
-``relay_for`` builds one on a test backend with quick settings; ``settle`` steps it by hand,
-``closing`` ends a hand-stepped relay's connection and threads, and ``Clock`` is a wall clock
-the test moves.
+``relay_for`` builds one on a test backend with quick settings (its clock may be a
+:class:`tests.support.hand_clocks.Clock`); ``settle`` steps it by hand, ``closing`` ends a
+hand-stepped relay's connection and threads, and ``running`` runs it on a thread.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -25,7 +25,6 @@ from tests.support.db import Backend
 
 __all__ = [
     "OUTBOX",
-    "Clock",
     "HeldSender",
     "Run",
     "closing",
@@ -40,24 +39,6 @@ OUTBOX = Outbox(
 )
 """The app's outbox: the default category, and ``digest``, which resends an unknown outcome
 (three attempts at most)."""
-
-
-class Clock:
-    """A wall clock the test moves by hand."""
-
-    def __init__(self, now: datetime | None = None) -> None:
-        self.now = now if now is not None else datetime.now(UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        """Move the clock ``seconds`` on."""
-        self.now += timedelta(seconds=seconds)
-
-    def later(self, seconds: float) -> Clock:
-        """Another clock, ``seconds`` ahead of this one."""
-        return Clock(self.now + timedelta(seconds=seconds))
 
 
 def relay_for(

@@ -12,19 +12,7 @@ from relay.clock import RESAMPLE_SECONDS, DatabaseClock, read_database_time
 from relay.config import RelayConfig
 from relay.testing import FakeSender
 from relay.worker import Relay
-
-
-class Monotonic:
-    """A monotonic clock that moves only when the test says, or by ``step`` per reading."""
-
-    def __init__(self, start: float = 500.0, step: float = 0.0) -> None:
-        self.now = start
-        self.step = step
-
-    def __call__(self) -> float:
-        value = self.now
-        self.now += self.step
-        return value
+from tests.support.hand_clocks import Monotonic
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from relay.pause import ACCOUNT, Admission, Pauses, Scope, ScopeKind
+from tests.support.hand_clocks import Monotonic
 
 MARKETING = Scope(ScopeKind.CONFIGURATION_SET, "marketing")
 PROMO = Scope(ScopeKind.IDENTITY, "promo@example.com")
@@ -13,17 +14,9 @@ DEFAULT_SET = Scope(ScopeKind.CONFIGURATION_SET, "")
 SHOP = Scope(ScopeKind.IDENTITY, "shop@example.com")
 
 
-class Monotonic:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> Monotonic:
-    return Monotonic()
+    return Monotonic(start=1000.0)
 
 
 @pytest.fixture

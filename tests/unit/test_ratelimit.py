@@ -30,6 +30,7 @@ from relay.ratelimit import (
     merged,
     occupation,
 )
+from tests.support.hand_clocks import Clock
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 SPAN = WINDOW + SLACK
@@ -47,17 +48,6 @@ def at(seconds: float, recipients: int = 1, limit: float = math.inf) -> Booking:
 def first(booked: list[Booking], recipients: int, limit: float, now: float = 0.0) -> float:
     start = earliest_start(booked, recipients, limit=limit, now=T0 + s(now), span=SPAN)
     return (start - T0).total_seconds()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += s(seconds)
 
 
 def budget(total: float | None, clock: Clock) -> SendBudget:
@@ -153,7 +143,7 @@ def test_merged_keeps_the_schedule_in_fewer_bookings():
 
 
 def test_plan_books_what_starts_within_the_horizon_and_remembers_when_to_look_again():
-    clock = Clock()
+    clock = Clock(T0)
     plan = budget(1.0, clock)
     assert plan.available() == 1
     booked = plan.plan([], [1, 1, 1], clock.now)
@@ -166,7 +156,7 @@ def test_plan_books_what_starts_within_the_horizon_and_remembers_when_to_look_ag
 
 
 def test_plan_books_ahead_within_the_horizon():
-    clock = Clock()
+    clock = Clock(T0)
     plan = budget(10.0, clock)
     booked = [at(-1.0, 8)]  # leaves the window at -1 + 1.05 = +0.05
     wave = plan.plan(booked, [2, 5, 1], clock.now)
@@ -175,7 +165,7 @@ def test_plan_books_ahead_within_the_horizon():
 
 def test_plan_keeps_the_order_of_the_wave():
     """A small send behind one that must wait is not booked before it."""
-    clock = Clock()
+    clock = Clock(T0)
     plan = budget(10.0, clock)
     wave = plan.plan([at(0.0, 5)], [8, 1], clock.now)
     assert wave == []
@@ -185,7 +175,7 @@ def test_plan_keeps_the_order_of_the_wave():
 def test_a_throttled_relay_books_with_half_the_limit():
     ticks = [0.0]
     controller = RateController(10.0, clock=lambda: ticks[0])
-    clock = Clock()
+    clock = Clock(T0)
     plan = SendBudget(controller, clock=clock)
     controller.on_throttle()
     assert plan.rate == 5.0
@@ -194,7 +184,7 @@ def test_a_throttled_relay_books_with_half_the_limit():
 
 
 def test_without_a_limit_there_is_no_budget():
-    clock = Clock()
+    clock = Clock(T0)
     plan = budget(None, clock)
     assert plan.rate is None
     assert plan.available() == math.inf
@@ -204,7 +194,7 @@ def test_without_a_limit_there_is_no_budget():
 
 
 def test_old_bookings_are_pruned_once_a_second():
-    clock = Clock()
+    clock = Clock(T0)
     ticks = [100.0]
     plan = SendBudget(RateController(5.0), clock=clock, monotonic=lambda: ticks[0])
     assert plan.prune_due(clock.now) == T0 - SPAN
@@ -218,7 +208,7 @@ def slot(start: float) -> Slot:
 
 
 def test_a_send_thread_waits_for_its_slot_and_refuses_to_start_late():
-    plan = budget(1.0, Clock())
+    plan = budget(1.0, Clock(T0))
     start = time.monotonic() + 0.03
     assert plan.wait(slot(start)) is None
     assert time.monotonic() >= start
@@ -234,7 +224,7 @@ def test_sends_are_booked_as_far_ahead_as_their_handoff_to_a_thread_takes():
     """A booking reaches its send thread only after the transaction commits: the budget
     learns how long that takes and books that far ahead, so threads wait instead of being
     late, and forgets a slow handoff again."""
-    clock = Clock()
+    clock = Clock(T0)
     ticks = [100.0]
     plan = SendBudget(RateController(10.0), clock=clock, monotonic=lambda: ticks[0])
     assert plan.lead == s(0.05)  # a first guess: the first commit of a process is slow
@@ -260,7 +250,7 @@ def test_a_handoff_longer_than_the_horizon_is_learnt_from_one_missed_slot():
     """With the database tens of milliseconds away, the commit alone outlasts the first guess:
     the first send misses its slot, and the next is booked far enough ahead to make its own
     (a lead capped below the handoff missed every slot, for ever)."""
-    clock = Clock()
+    clock = Clock(T0)
     ticks = [100.0]
     plan = SendBudget(RateController(10.0), clock=clock, monotonic=lambda: ticks[0])
     handoff = 0.205  # four round trips of 50 ms and a thread's start
@@ -335,7 +325,7 @@ def runs(draw):
 def book(limit: float, passes) -> list[tuple[datetime, Booking]]:
     """Relays taking turns at the budget (its lock orders them): each pass books what its
     wave may start within the horizon. Returns (the pass's now, booking) in booking order."""
-    clock = Clock()
+    clock = Clock(T0)
     plan = budget(limit, clock)
     schedule: list[Booking] = []
     made = []
@@ -394,7 +384,7 @@ def test_every_booking_is_the_earliest_that_keeps_the_windows(run):
     """Exact, not merely safe: each send is booked at the earliest moment a brute-force search
     finds, and one left for later could not have started within the horizon."""
     limit, passes, _ = run
-    clock = Clock()
+    clock = Clock(T0)
     plan = budget(limit, clock)
     schedule: list[Booking] = []
     for gap, sizes in passes:
