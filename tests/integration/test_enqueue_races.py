@@ -62,11 +62,6 @@ def held() -> Iterator[list[Session]]:
         session.close()
 
 
-@pytest.fixture
-def postgres_backend(_backends: dict[str, Backend]) -> Iterator[Backend]:
-    yield from emptied(_backends["postgresql"])
-
-
 def session_id(session: Session) -> int:
     conn = session.connection()
     query = (

@@ -17,25 +17,18 @@ from examples.flask_shop import app as flask_shop
 from outbox import Email
 from outbox.schema import messages
 from relay.testing import FakeSender, run_until_idle
-from tests.support.db import emptied
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def pg(_backends):
-    """PostgreSQL, migrated, with the example's tables created for the test only."""
-    yield from emptied(_backends["postgresql"])
-
-
-@pytest.fixture
-def shop_tables(pg):
+def shop_tables(postgres_backend):
     metadatas = (flask_shop.db.metadata, fastapi_shop.Base.metadata)
     for metadata in metadatas:
-        metadata.create_all(pg.engine)
-    yield pg
+        metadata.create_all(postgres_backend.engine)
+    yield postgres_backend
     for metadata in metadatas:
-        metadata.drop_all(pg.engine)
+        metadata.drop_all(postgres_backend.engine)
 
 
 def outbox_rows(engine):

@@ -11,8 +11,8 @@ from outbox import NOTIFY_CHANNEL, Email, Outbox
 
 
 @pytest.fixture
-def listener(_backends):
-    backend = _backends["postgresql"]
+def listener(postgres_backend):
+    backend = postgres_backend
     url = sa.make_url(backend.url).set(drivername="postgresql")
     conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")

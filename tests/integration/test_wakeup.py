@@ -6,7 +6,6 @@ import statistics
 import threading
 import time
 
-import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
@@ -20,26 +19,18 @@ from relay.worker import Relay
 POLL_INTERVAL = 5.0
 
 
-@pytest.fixture
-def postgres(_backends):
-    backend = _backends["postgresql"]
-    yield backend
-    with backend.engine.begin() as conn:
-        conn.exec_driver_sql("DELETE FROM outbox_attempts")
-        conn.exec_driver_sql("DELETE FROM outbox_messages")
-        conn.exec_driver_sql("DELETE FROM outbox_relays")
-
-
-def test_notify_wakes_the_relay_well_before_the_next_poll(postgres):
+def test_notify_wakes_the_relay_well_before_the_next_poll(postgres_backend):
     started: dict[int, float] = {}
 
     def record(message: OutgoingMessage):
         started[message.id] = time.monotonic()
         return Accepted(provider_message_id="x")
 
-    config = RelayConfig(database_url=postgres.url, poll_interval=POLL_INTERVAL, relay_id="w")
-    relay = Relay(engine=postgres.engine, sender=FakeSender(record), config=config)
-    listener = Listener.for_engine(postgres.engine, relay.wake)
+    config = RelayConfig(
+        database_url=postgres_backend.url, poll_interval=POLL_INTERVAL, relay_id="w"
+    )
+    relay = Relay(engine=postgres_backend.engine, sender=FakeSender(record), config=config)
+    listener = Listener.for_engine(postgres_backend.engine, relay.wake)
     assert listener is not None
     runner = threading.Thread(target=relay.run)
     listener.start()
@@ -49,7 +40,7 @@ def test_notify_wakes_the_relay_well_before_the_next_poll(postgres):
     try:
         time.sleep(0.5)  # let the relay reach its idle wait and the listener its LISTEN
         for n in range(15):
-            with Session(postgres.engine) as session:
+            with Session(postgres_backend.engine) as session:
                 result = ob.enqueue(
                     session,
                     Email(sender="a@example.com", to=["b@example.com"], subject=f"n{n}", text="t"),
@@ -76,11 +67,13 @@ def test_notify_wakes_the_relay_well_before_the_next_poll(postgres):
     assert worst < POLL_INTERVAL / 5
 
 
-def test_the_listener_connects_with_a_url_whose_options_hold_a_space(postgres):
+def test_the_listener_connects_with_a_url_whose_options_hold_a_space(postgres_backend):
     """``?options=-c%20timezone%3D...`` (a session setting in the URL) used to be rendered back
     into a libpq URI with ``+`` for the space: the server refused ``+timezone``, the listener
     never connected, and the relay fell back to polling with a warning every backoff."""
-    url = sa.make_url(postgres.url).update_query_dict({"options": "-c timezone=Asia/Kolkata"})
+    url = sa.make_url(postgres_backend.url).update_query_dict(
+        {"options": "-c timezone=Asia/Kolkata"}
+    )
     engine = sa.create_engine(url)
     woken = threading.Semaphore(0)
     listener = Listener.for_engine(engine, woken.release)

@@ -27,7 +27,7 @@ from tests.support.db import (
     unavailable,
 )
 
-__all__ = ["backend", "engine", "pytest_addoption", "server_backend"]
+__all__ = ["backend", "engine", "postgres_backend", "pytest_addoption", "server_backend"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -84,6 +84,12 @@ def server_backend(
 ) -> Iterator[Backend]:
     """PostgreSQL and MariaDB only: for tests of real concurrency between connections."""
     yield from emptied(_backends[request.param])
+
+
+@pytest.fixture
+def postgres_backend(_backends: dict[str, Backend]) -> Iterator[Backend]:
+    """PostgreSQL only: for LISTEN/NOTIFY and what else only it has."""
+    yield from emptied(_backends["postgresql"])
 
 
 @pytest.fixture
