@@ -51,7 +51,15 @@ from outbox.exceptions import InvalidArgument, InvalidKey, MessageTooLarge
 from outbox.message import Email
 from outbox.schema import Status, messages
 
-__all__ = ["MAX_KEY_LENGTH", "NOTIFY_CHANNEL", "EnqueueResult", "insert_message", "new_key"]
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "NOTIFY_CHANNEL",
+    "EnqueueResult",
+    "build_row",
+    "check_key",
+    "insert_message",
+    "new_key",
+]
 
 NOTIFY_CHANNEL = "outbox_wakeup"
 MAX_KEY_LENGTH = 255

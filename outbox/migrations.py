@@ -40,6 +40,7 @@ from outbox.schema import metadata
 __all__ = [
     "BRANCH",
     "VERSION_TABLE",
+    "VIEWS",
     "alembic_config",
     "current_heads",
     "downgrade",

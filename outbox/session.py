@@ -23,9 +23,9 @@ from outbox.schema import messages, utcnow
 
 __all__ = ["Outbox", "Rule"]
 
-T = TypeVar("T")
-RuleFunction = Callable[[Any], Email | None]
-SessionTarget = sessionmaker[Any] | async_sessionmaker[Any] | type[Session] | type[AsyncSession]
+_T = TypeVar("_T")
+_RuleFunction = Callable[[Any], Email | None]
+_SessionTarget = sessionmaker[Any] | async_sessionmaker[Any] | type[Session] | type[AsyncSession]
 
 _BIND_ARGS = {"clause": messages}
 
@@ -88,7 +88,7 @@ class Rule:
     name: str
     model: type
     on: str  # "insert" or "update"
-    function: RuleFunction
+    function: _RuleFunction
     category: str | None
     priority: int
     key: Callable[[Any], str] | None
@@ -212,7 +212,7 @@ class Outbox:
         category: str | None = None,
         priority: int = 0,
         key: Callable[[Any], str] | None = None,
-    ) -> Callable[[Callable[[T], Email | None]], Callable[[T], Email | None]]:
+    ) -> Callable[[Callable[[_T], Email | None]], Callable[[_T], Email | None]]:
         """Register ``function(obj) -> Email | None``, run for each new ``model`` row flushed.
 
         The email is written in the same transaction, keyed ``"<name>:<primary key>"`` (or
@@ -230,7 +230,7 @@ class Outbox:
         category: str | None = None,
         priority: int = 0,
         key: Callable[[Any], str] | None = None,
-    ) -> Callable[[Callable[[T], Email | None]], Callable[[T], Email | None]]:
+    ) -> Callable[[Callable[[_T], Email | None]], Callable[[_T], Email | None]]:
         """Like :meth:`on_insert`, for ``model`` rows with changed columns in a flush.
 
         The default key is per row, so each row gets the email at most once; pass ``key`` (for
@@ -246,11 +246,11 @@ class Outbox:
         category: str | None,
         priority: int,
         key: Callable[[Any], str] | None,
-    ) -> Callable[[Callable[[T], Email | None]], Callable[[T], Email | None]]:
+    ) -> Callable[[Callable[[_T], Email | None]], Callable[[_T], Email | None]]:
         if category is not None and category not in self.categories:
             raise UnknownCategory(category, list(self.categories))
 
-        def register(function: Callable[[T], Email | None]) -> Callable[[T], Email | None]:
+        def register(function: Callable[[_T], Email | None]) -> Callable[[_T], Email | None]:
             rule_name = name or f"{function.__module__}.{function.__qualname__}"
             if any(r.name == rule_name for r in self.rules):
                 raise ConfigurationError("rule name", f"{rule_name!r} is already registered")
@@ -269,7 +269,7 @@ class Outbox:
 
         return register
 
-    def install(self, target: SessionTarget) -> None:
+    def install(self, target: _SessionTarget) -> None:
         """Hook the declarative rules into sessions made by ``target``: a ``sessionmaker``, an
         ``async_sessionmaker``, or a ``Session``/``AsyncSession`` subclass. Idempotent."""
         listen_on: Any

@@ -26,22 +26,32 @@ from relay.cli_options import database_url, first_line, open_database, option
 from relay.clock import read_database_time
 from relay.formats import plain, utc_iso
 
-__all__ = ["COMMANDS", "parse_duration"]
+__all__ = [
+    "CHANGE_BATCH",
+    "COMMANDS",
+    "cancel",
+    "list_",
+    "parse_duration",
+    "prune",
+    "requeue",
+    "show",
+    "status",
+]
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_DURATION_PARTS = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-STATUSES = [s.value for s in Status]
-LONGEST = timedelta(weeks=5217)  # about 100 years: longer than any message, and a valid date
+_STATUSES = [s.value for s in Status]
+_LONGEST = timedelta(weeks=5217)  # about 100 years: longer than any message, and a valid date
 
 
 def parse_duration(text: str) -> timedelta:
     """``90s``, ``15m``, ``12h``, ``30d``, ``2w`` or combinations such as ``1d12h``."""
     cleaned = text.strip().lower()
-    parts = _DURATION.findall(cleaned)
-    if not parts or _DURATION.sub("", cleaned).strip():
+    parts = _DURATION_PARTS.findall(cleaned)
+    if not parts or _DURATION_PARTS.sub("", cleaned).strip():
         raise ValueError(f"{text!r} is not a duration such as 90s, 15m, 12h, 30d or 2w")
     seconds = sum(float(n) * _UNITS[unit] for n, unit in parts)
-    if seconds > LONGEST.total_seconds():  # 'now' minus it must still be a date
+    if seconds > _LONGEST.total_seconds():  # 'now' minus it must still be a date
         raise ValueError(f"{text!r} is too long a duration: at most 100 years (5217w)")
     return timedelta(seconds=seconds)
 
@@ -60,7 +70,7 @@ class _Duration(click.ParamType[timedelta]):
             self.fail(str(exc), param, ctx)
 
 
-DURATION = _Duration()
+_DURATION = _Duration()
 
 
 def _filters(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,7 +80,7 @@ def _filters(function: Callable[..., Any]) -> Callable[..., Any]:
                 "--status",
                 "statuses",
                 multiple=True,
-                type=click.Choice(STATUSES),
+                type=click.Choice(_STATUSES),
                 help="Only messages in this status (repeatable).",
             ),
             click.option(
@@ -78,9 +88,9 @@ def _filters(function: Callable[..., Any]) -> Callable[..., Any]:
             ),
             click.option("--key", help="Idempotency key; a trailing * matches a prefix."),
             click.option(
-                "--older-than", type=DURATION, help="Created longer ago than this (e.g. 2h)."
+                "--older-than", type=_DURATION, help="Created longer ago than this (e.g. 2h)."
             ),
-            click.option("--newer-than", type=DURATION, help="Created within this (e.g. 30m)."),
+            click.option("--newer-than", type=_DURATION, help="Created within this (e.g. 30m)."),
         ]
     ):
         function = decorator(function)
@@ -631,14 +641,14 @@ def _prunable(cutoff: datetime) -> store.Filter:
 @database_url
 @option(
     "--older-than",
-    type=DURATION,
+    type=_DURATION,
     required=True,
     show_default=False,
     help="Delete finished messages created and last changed longer ago than this.",
 )
 @option(
     "--dedup-window",
-    type=DURATION,
+    type=_DURATION,
     default="30d",
     help="Never delete messages younger than this: a pruned key can be enqueued again.",
 )

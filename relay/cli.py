@@ -36,7 +36,7 @@ from relay.senders.smtp import DEFAULT_SECURITY, SECURITY_MODES, SmtpSender, Smt
 from relay.wakeup import Listener
 from relay.worker import Relay
 
-__all__ = ["main"]
+__all__ = ["build_sender", "main", "migrate", "run"]
 
 
 class _Commands(click.Group):
@@ -121,7 +121,7 @@ class _Rate(click.ParamType[Any]):
             self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
 
 
-RATE = _Rate()
+_RATE = _Rate()
 
 
 def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sender:
@@ -226,7 +226,7 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
 @option("--poll-interval", type=float, default=1.0, help="Seconds between polls when idle.")
 @option(
     "--max-send-rate",
-    type=RATE,
+    type=_RATE,
     default=None,
     help="Recipients per second for all relays together (one budget in the database), "
     "over any one-second window; 'auto' reads the SES account's MaxSendRate (default: no limit).",

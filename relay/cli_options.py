@@ -28,10 +28,10 @@ __all__ = [
     "safe_url",
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def option(name: str, **kw: Any) -> Callable[[F], F]:
+def option(name: str, **kw: Any) -> Callable[[_F], _F]:
     """A click option also read from ``OUTBOX_<NAME>`` (shown in ``--help``)."""
     env = "OUTBOX_" + name.lstrip("-").replace("-", "_").upper()
     kw.setdefault("show_default", True)

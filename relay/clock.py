@@ -24,7 +24,7 @@ import sqlalchemy as sa
 __all__ = ["RESAMPLE_SECONDS", "DatabaseClock", "read_database_time"]
 
 RESAMPLE_SECONDS = 10.0  # how often the relay reads the database's clock again
-READINGS = 3  # per sample; the one with the shortest round trip is kept
+_READINGS = 3  # per sample; the one with the shortest round trip is kept
 
 
 def read_database_time(conn: sa.Connection) -> datetime:
@@ -73,7 +73,7 @@ class DatabaseClock:
         anchor = self._anchor
         return anchor is None or self._monotonic() - anchor[1] >= self._resample
 
-    def sample(self, conn: sa.Connection, readings: int = READINGS) -> datetime:
+    def sample(self, conn: sa.Connection, readings: int = _READINGS) -> datetime:
         """Read the database's clock on ``conn`` ``readings`` times and anchor to the reading
         with the shortest round trip; returns that reading. ``error`` is then half its round
         trip."""

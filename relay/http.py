@@ -34,10 +34,10 @@ from relay.worker import Relay
 
 __all__ = ["Server", "start_http_server"]
 
-log = logging.getLogger("relay.http")
+_log = logging.getLogger("relay.http")
 
-TEXT = "text/plain; charset=utf-8"
-MIN_STALL_SECONDS = 60.0  # above the longest database backoff (30 s) of a healthy loop
+_TEXT = "text/plain; charset=utf-8"
+_MIN_STALL_SECONDS = 60.0  # above the longest database backoff (30 s) of a healthy loop
 
 
 class _DatabaseProbe:
@@ -128,7 +128,7 @@ class _App:
         stalled = time.monotonic() - loop_at
         if stalled > self.stall_seconds:
             return _unavailable(f"loop stalled for {stalled:.0f}s")
-        return HTTPStatus.OK, TEXT, b"ok\n"
+        return HTTPStatus.OK, _TEXT, b"ok\n"
 
     def readyz(self) -> tuple[int, str, bytes]:
         relay = self.relay
@@ -139,14 +139,14 @@ class _App:
         error = self.database.check()
         if error is not None:
             return _unavailable(f"database unreachable: {error}")
-        return HTTPStatus.OK, TEXT, b"ok\n"
+        return HTTPStatus.OK, _TEXT, b"ok\n"
 
     def metrics_page(self) -> tuple[int, str, bytes]:
         return HTTPStatus.OK, CONTENT_TYPE_LATEST, self.metrics.exposition()
 
 
 def _unavailable(reason: str) -> tuple[int, str, bytes]:
-    return HTTPStatus.SERVICE_UNAVAILABLE, TEXT, f"{reason}\n".encode()
+    return HTTPStatus.SERVICE_UNAVAILABLE, _TEXT, f"{reason}\n".encode()
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -180,10 +180,10 @@ class _Handler(BaseHTTPRequestHandler):
             elif path == "/metrics":
                 status, content_type, page = app.metrics_page()
             else:
-                status, content_type, page = HTTPStatus.NOT_FOUND, TEXT, b"not found\n"
+                status, content_type, page = HTTPStatus.NOT_FOUND, _TEXT, b"not found\n"
         except Exception:
-            log.exception("%s failed", path, extra={"action": "http_error"})
-            status, content_type, page = HTTPStatus.INTERNAL_SERVER_ERROR, TEXT, b"error\n"
+            _log.exception("%s failed", path, extra={"action": "http_error"})
+            status, content_type, page = HTTPStatus.INTERNAL_SERVER_ERROR, _TEXT, b"error\n"
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(page)))
@@ -247,7 +247,7 @@ def start_http_server(
     leases of its sends in flight.
     """
     if stall_seconds is None:
-        stall_seconds = max(MIN_STALL_SECONDS, relay.config.lease_seconds)
+        stall_seconds = max(_MIN_STALL_SECONDS, relay.config.lease_seconds)
     app = _App(
         relay,
         metrics,
@@ -257,7 +257,7 @@ def start_http_server(
     )
     server = Server(_HTTPServer((host, port), app))
     server.start()
-    log.info(
+    _log.info(
         "serving /healthz, /readyz and /metrics on %s:%d",
         host,
         server.port,

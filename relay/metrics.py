@@ -61,7 +61,7 @@ from relay.worker import Relay
 
 __all__ = ["CLAIM_BUCKETS", "SEND_BUCKETS", "RelayMetrics"]
 
-log = logging.getLogger("relay.metrics")
+_log = logging.getLogger("relay.metrics")
 
 SEND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -78,7 +78,7 @@ _OUTCOME_SIGNALS: dict[str, NamedSignal] = {
 }
 _LAG_QUERY = sa.text("SELECT category, due_count, lag_seconds FROM outbox_lag")
 
-Receiver = Callable[..., None]
+_Receiver = Callable[..., None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +140,7 @@ class RelayMetrics:
         self._lag: dict[str, _Due] | None = None  # None: never read, or the last read failed
         self._lag_read_at = -float("inf")
         self._categories: set[str] = set()  # seen due once: reported as 0 while none is due
-        self._receivers: list[tuple[NamedSignal, Receiver]] = []
+        self._receivers: list[tuple[NamedSignal, _Receiver]] = []
         for outcome, signal in _OUTCOME_SIGNALS.items():
             self._connect(signal, self._counter(outcome))
         self._connect(signals.claimed, self._on_claimed)
@@ -148,12 +148,12 @@ class RelayMetrics:
 
     # -- signals ---------------------------------------------------------------------------
 
-    def _connect(self, signal: NamedSignal, receiver: Receiver) -> None:
+    def _connect(self, signal: NamedSignal, receiver: _Receiver) -> None:
         # Weak references (blinker's default): the receivers live as long as this object.
         signal.connect(receiver, sender=self.relay)
         self._receivers.append((signal, receiver))
 
-    def _counter(self, outcome: str) -> Receiver:
+    def _counter(self, outcome: str) -> _Receiver:
         def receive(_sender: Any, **kw: Any) -> None:
             category = str(kw.get("category") or "")
             self.messages.labels(outcome=outcome, category=category).inc()
@@ -185,7 +185,7 @@ class RelayMetrics:
         except Exception as exc:
             self.lag_errors += 1
             self._lag = None
-            log.warning(
+            _log.warning(
                 "cannot read outbox_lag: %s",
                 getattr(exc, "orig", None) or exc,
                 extra={"action": "metrics_lag_error"},

@@ -56,10 +56,10 @@ WINDOW = timedelta(seconds=1)  # the provider counts recipients per second, slid
 SLACK = timedelta(milliseconds=50)  # bookings are spaced a window and this apart
 LATE_START = timedelta(milliseconds=35)  # of the slack, what a send thread may start late by
 HORIZON = timedelta(milliseconds=200)  # how far ahead of a send's start it is booked
-HANDOFF = 0.05  # seconds: the first guess of how long a booking takes to reach its thread
-HANDOFF_HALF_LIFE = 10.0  # seconds: how fast the longest handoff seen is forgotten
+_HANDOFF = 0.05  # seconds: the first guess of how long a booking takes to reach its thread
+_HANDOFF_HALF_LIFE = 10.0  # seconds: how fast the longest handoff seen is forgotten
 MAX_HANDOFF = 5.0  # seconds: the longest lead ever used (a frozen process is not a handoff)
-PRUNE_INTERVAL = 1.0  # seconds (monotonic) between deletions of bookings that no longer count
+_PRUNE_INTERVAL = 1.0  # seconds (monotonic) between deletions of bookings that no longer count
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,7 +191,7 @@ class SendBudget:
         slack: timedelta = SLACK,
         late_start: timedelta = LATE_START,
         horizon: timedelta = HORIZON,
-        handoff: float = HANDOFF,
+        handoff: float = _HANDOFF,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         if late_start > slack:
@@ -273,7 +273,7 @@ class SendBudget:
     def prune_due(self, now: datetime) -> datetime | None:
         """Once a second: the cut-off before which bookings may be deleted (None: not now)."""
         mono = self._monotonic()
-        if mono - self._last_prune < PRUNE_INTERVAL:
+        if mono - self._last_prune < _PRUNE_INTERVAL:
             return None
         self._last_prune = mono
         return self.lookback(now)
@@ -283,7 +283,7 @@ class SendBudget:
         may start, or how many seconds late the thread is when that is more than
         ``late_start`` allows: then the send must not start."""
         mono = self._monotonic()
-        faded = self._handoff * 0.5 ** ((mono - self._handoff_at) / HANDOFF_HALF_LIFE)
+        faded = self._handoff * 0.5 ** ((mono - self._handoff_at) / _HANDOFF_HALF_LIFE)
         self._handoff, self._handoff_at = max(mono - slot.planned, faded), mono
         if slot.start > mono:
             time.sleep(slot.start - mono)

@@ -94,26 +94,26 @@ __all__ = [
     "sweep_expired_leases",
 ]
 
-m = messages
+_m = messages
 _CLAIM_COLUMNS = (
-    m.c.id,
-    m.c.idempotency_key,
-    m.c.category,
-    m.c.priority,
-    m.c.status,
+    _m.c.id,
+    _m.c.idempotency_key,
+    _m.c.category,
+    _m.c.priority,
+    _m.c.status,
     # read as text, cast in SQL so no driver decodes it: a row edited into garbage (or JSON
     # too deep or too large for Python to decode) fails as invalid_payload in the relay, and
     # never breaks the claim that reads it
-    sa.cast(m.c.payload, sa.Text).label("payload"),
-    m.c.recipient_count,
-    m.c.claim_token,
-    m.c.attempt_count,
-    m.c.max_attempts,
-    m.c.backoff_base,
-    m.c.backoff_cap,
-    m.c.ambiguity_policy,
-    m.c.next_attempt_at,
-    m.c.lease_expires_at,
+    sa.cast(_m.c.payload, sa.Text).label("payload"),
+    _m.c.recipient_count,
+    _m.c.claim_token,
+    _m.c.attempt_count,
+    _m.c.max_attempts,
+    _m.c.backoff_base,
+    _m.c.backoff_cap,
+    _m.c.ambiguity_policy,
+    _m.c.next_attempt_at,
+    _m.c.lease_expires_at,
 )
 _NO_CLAIM = {"claim_token": None, "lease_expires_at": None}
 # PostgreSQL: a batch of (id, claim token, provider id) as one row set, from three arrays
@@ -221,14 +221,14 @@ def _literal(status: Status) -> sa.ColumnElement[str]:
 # The claim index is partial (claimable statuses only). SQLite uses a partial index only if the
 # query repeats the index's own condition with literals, so the claim says both: the status
 # equality first, or SQLite plans the IN as the index range and sorts every due row.
-_CLAIMABLE = m.c.status.in_([_literal(s) for s in CLAIMABLE])
+_CLAIMABLE = _m.c.status.in_([_literal(s) for s in CLAIMABLE])
 
 
 def _due(status: Status) -> sa.Subquery:
     return (
-        sa.select(m.c.id, m.c.priority, m.c.next_attempt_at)
-        .where(m.c.status == _literal(status), _CLAIMABLE, m.c.next_attempt_at <= _NOW)
-        .order_by(m.c.priority, m.c.next_attempt_at, m.c.id)
+        sa.select(_m.c.id, _m.c.priority, _m.c.next_attempt_at)
+        .where(_m.c.status == _literal(status), _CLAIMABLE, _m.c.next_attempt_at <= _NOW)
+        .order_by(_m.c.priority, _m.c.next_attempt_at, _m.c.id)
         .limit(_LIMIT)
         .with_for_update(skip_locked=True)
         .subquery()
@@ -256,22 +256,22 @@ def _claim_statements(lock_first: bool) -> _ClaimStatements:
     if lock_first:
         # Lock the picked rows first: an UPDATE with an IN (subquery) is not planned as a
         # range read of the claim index there.
-        chosen: sa.ColumnElement[bool] = m.c.id.in_(sa.bindparam("c_ids", expanding=True))
+        chosen: sa.ColumnElement[bool] = _m.c.id.in_(sa.bindparam("c_ids", expanding=True))
     else:
-        chosen = m.c.id.in_(sa.select(pick.subquery().c.id))
-    token = sa.bindparam("c_token", type_=m.c.claim_token.type)
-    expired = sa.and_(m.c.expires_at.is_not(None), m.c.expires_at <= _NOW)
+        chosen = _m.c.id.in_(sa.select(pick.subquery().c.id))
+    token = sa.bindparam("c_token", type_=_m.c.claim_token.type)
+    expired = sa.and_(_m.c.expires_at.is_not(None), _m.c.expires_at <= _NOW)
     update = (
-        sa.update(m)
+        sa.update(_m)
         .where(chosen)
         .values(
             status=sa.case((expired, Status.EXPIRED.value), else_=Status.PROCESSING.value),
             claim_token=token,
             claimed_by=sa.case(
-                (expired, m.c.claimed_by),
-                else_=sa.bindparam("c_relay", type_=m.c.claimed_by.type),
+                (expired, _m.c.claimed_by),
+                else_=sa.bindparam("c_relay", type_=_m.c.claimed_by.type),
             ),
-            claimed_at=sa.case((expired, m.c.claimed_at), else_=_NOW),
+            claimed_at=sa.case((expired, _m.c.claimed_at), else_=_NOW),
             lease_expires_at=sa.case(
                 (expired, None), else_=sa.bindparam("c_lease", type_=UTCDateTime())
             ),
@@ -279,7 +279,7 @@ def _claim_statements(lock_first: bool) -> _ClaimStatements:
             updated_at=_NOW,
         )
     )
-    read_back = sa.select(*_CLAIM_COLUMNS).where(chosen, m.c.claim_token == token)
+    read_back = sa.select(*_CLAIM_COLUMNS).where(chosen, _m.c.claim_token == token)
     return _ClaimStatements(
         pick=pick,
         update=update,
@@ -349,14 +349,14 @@ def _stamp_wave(
 @functools.cache
 def _stamp_statements(column_name: str) -> tuple[sa.Update, sa.Select[Any]]:
     """_stamp_wave's UPDATE and its read-back, built once per column."""
-    column = m.c[column_name]
+    column = _m.c[column_name]
     value = sa.bindparam("w_value", type_=UTCDateTime())
     guard = sa.and_(
-        m.c.id.in_(sa.bindparam("w_ids", expanding=True)),
-        m.c.claim_token == sa.bindparam("w_token", type_=m.c.claim_token.type),
-        m.c.status == Status.PROCESSING.value,
+        _m.c.id.in_(sa.bindparam("w_ids", expanding=True)),
+        _m.c.claim_token == sa.bindparam("w_token", type_=_m.c.claim_token.type),
+        _m.c.status == Status.PROCESSING.value,
     )
-    return sa.update(m).where(guard).values({column: value}), sa.select(m.c.id).where(
+    return sa.update(_m).where(guard).values({column: value}), sa.select(_m.c.id).where(
         guard, column == value
     )
 
@@ -370,14 +370,14 @@ def mark_send_started(
     NULL is provably unsent, and the sweep returns it without consuming an attempt. Returns
     the ids stamped (all of them, unless a lease was already lost).
     """
-    return _stamp_wave(conn, ids, claim_token, m.c.send_started_at, now)
+    return _stamp_wave(conn, ids, claim_token, _m.c.send_started_at, now)
 
 
 def extend_lease(
     conn: sa.Connection, *, ids: Sequence[int], claim_token: str, until: datetime
 ) -> set[int]:
     """extend_lease -- Push out the lease of rows still being sent; returns the ids kept."""
-    return _stamp_wave(conn, ids, claim_token, m.c.lease_expires_at, until)
+    return _stamp_wave(conn, ids, claim_token, _m.c.lease_expires_at, until)
 
 
 # -- finalize: one guarded UPDATE per row, each returning whether it applied -----------------
@@ -387,12 +387,12 @@ def _claimed(
     message_id: int, claim_token: str, expired_before: datetime | None
 ) -> sa.ColumnElement[bool]:
     guard = sa.and_(
-        m.c.id == message_id,
-        m.c.claim_token == claim_token,
-        m.c.status == Status.PROCESSING.value,
+        _m.c.id == message_id,
+        _m.c.claim_token == claim_token,
+        _m.c.status == Status.PROCESSING.value,
     )
     if expired_before is not None:
-        guard = sa.and_(guard, m.c.lease_expires_at < expired_before)
+        guard = sa.and_(guard, _m.c.lease_expires_at < expired_before)
     return guard
 
 
@@ -405,7 +405,7 @@ def _transition(
     *also: sa.ColumnElement[bool],
 ) -> bool:
     guard = _claimed(message_id, claim_token, expired_before)
-    stmt = sa.update(m).where(guard, *also).values(**values)
+    stmt = sa.update(_m).where(guard, *also).values(**values)
     return conn.execute(stmt).rowcount == 1
 
 
@@ -414,8 +414,8 @@ def _attempted(
 ) -> dict[str, Any]:
     return {
         **_NO_CLAIM,
-        "attempt_count": m.c.attempt_count + 1,
-        "last_attempt_at": sa.func.coalesce(m.c.send_started_at, now),
+        "attempt_count": _m.c.attempt_count + 1,
+        "last_attempt_at": sa.func.coalesce(_m.c.send_started_at, now),
         "last_error_code": code,
         "last_error_message": message,
         "updated_at": now,
@@ -442,11 +442,11 @@ def finalize_sent(
 
 _BATCH_NOW = sa.bindparam("b_now", type_=UTCDateTime())
 _FINALIZE_SENT_BATCH = (
-    sa.update(m)
+    sa.update(_m)
     .where(
-        m.c.id == _BATCH.c.id,
-        m.c.claim_token == _BATCH.c.token,
-        m.c.status == Status.PROCESSING.value,
+        _m.c.id == _BATCH.c.id,
+        _m.c.claim_token == _BATCH.c.token,
+        _m.c.status == Status.PROCESSING.value,
     )
     .values(
         **_attempted(_BATCH_NOW, None, None),
@@ -454,14 +454,14 @@ _FINALIZE_SENT_BATCH = (
         sent_at=_BATCH_NOW,
         provider_message_id=_BATCH.c.provider_id,
     )
-    .returning(m.c.id, _BATCH.c.token)
+    .returning(_m.c.id, _BATCH.c.token)
 )
 _FINALIZE_SENT_EACH = (
-    sa.update(m)
+    sa.update(_m)
     .where(
-        m.c.id == sa.bindparam("b_id"),
-        m.c.claim_token == sa.bindparam("b_token"),
-        m.c.status == Status.PROCESSING.value,
+        _m.c.id == sa.bindparam("b_id"),
+        _m.c.claim_token == sa.bindparam("b_token"),
+        _m.c.status == Status.PROCESSING.value,
     )
     .values(
         **_attempted(_BATCH_NOW, None, None),
@@ -499,8 +499,8 @@ def finalize_sent_many(
         return {(i, t) for i, t, _p in items}
     # Some guard failed (a stale claim): find which rows this statement moved.
     wanted = {i: (t, p) for i, t, p in items}
-    moved = sa.select(m.c.id, m.c.provider_message_id).where(
-        m.c.id.in_(list(wanted)), m.c.status == Status.SENT.value, m.c.sent_at == now
+    moved = sa.select(_m.c.id, _m.c.provider_message_id).where(
+        _m.c.id.in_(list(wanted)), _m.c.status == Status.SENT.value, _m.c.sent_at == now
     )
     return {
         (row.id, wanted[row.id][0])
@@ -563,7 +563,7 @@ def hold_unknown(
 
 
 _PREVIOUS_STATUS = sa.case(
-    (m.c.attempt_count == 0, Status.PENDING.value), else_=Status.RETRYING.value
+    (_m.c.attempt_count == 0, Status.PENDING.value), else_=Status.RETRYING.value
 )
 
 
@@ -599,7 +599,7 @@ def release(
         values["next_attempt_at"] = next_attempt_at
     if expired_before is None:
         return _transition(conn, message_id, claim_token, values, None)
-    unstarted = m.c.send_started_at.is_(None)
+    unstarted = _m.c.send_started_at.is_(None)
     return _transition(conn, message_id, claim_token, values, expired_before, unstarted)
 
 
@@ -617,7 +617,7 @@ def release_unstarted(
     if not ids:
         return 0
     stmt = _release_statement(ids, claim_token, now, next_attempt_at).where(
-        m.c.send_started_at.is_(None)
+        _m.c.send_started_at.is_(None)
     )
     return int(conn.execute(stmt).rowcount)
 
@@ -649,11 +649,11 @@ def _release_statement(
 ) -> sa.Update:
     later = {} if next_attempt_at is None else {"next_attempt_at": next_attempt_at}
     return (
-        sa.update(m)
+        sa.update(_m)
         .where(
-            m.c.id.in_(ids),
-            m.c.claim_token == claim_token,
-            m.c.status == Status.PROCESSING.value,
+            _m.c.id.in_(ids),
+            _m.c.claim_token == claim_token,
+            _m.c.status == Status.PROCESSING.value,
         )
         .values(**_NO_CLAIM, **later, status=_PREVIOUS_STATUS, send_started_at=None, updated_at=now)
     )
@@ -797,9 +797,9 @@ def sweep_candidates(
     sweep between its read and its write.
     """
     stmt = (
-        sa.select(*_CLAIM_COLUMNS, m.c.claimed_by, m.c.send_started_at)
-        .where(m.c.status == Status.PROCESSING.value, m.c.lease_expires_at < now)
-        .order_by(m.c.lease_expires_at)
+        sa.select(*_CLAIM_COLUMNS, _m.c.claimed_by, _m.c.send_started_at)
+        .where(_m.c.status == Status.PROCESSING.value, _m.c.lease_expires_at < now)
+        .order_by(_m.c.lease_expires_at)
         .limit(limit)
     )
     rows = conn.execute(stmt.with_for_update(skip_locked=True) if lock else stmt).all()
@@ -881,11 +881,11 @@ def expire(conn: sa.Connection, *, now: datetime, limit: int = 1000) -> list[Exp
     holds locked are skipped (the claim expires them).
     """
     candidates = conn.execute(
-        sa.select(m.c.id, m.c.idempotency_key, m.c.category)
+        sa.select(_m.c.id, _m.c.idempotency_key, _m.c.category)
         .where(
-            m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
-            m.c.expires_at.is_not(None),
-            m.c.expires_at <= now,
+            _m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
+            _m.c.expires_at.is_not(None),
+            _m.c.expires_at <= now,
         )
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -893,10 +893,10 @@ def expire(conn: sa.Connection, *, now: datetime, limit: int = 1000) -> list[Exp
     if not candidates:
         return []
     conn.execute(
-        sa.update(m)
+        sa.update(_m)
         .where(
-            m.c.id.in_([c.id for c in candidates]),
-            m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
+            _m.c.id.in_([c.id for c in candidates]),
+            _m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
         )
         .values(status=Status.EXPIRED.value, updated_at=now)
     )
@@ -919,13 +919,13 @@ def _change_many(
     relay's claim skips rows locked here (``SKIP LOCKED``) and never waits for them."""
     if not ids:
         return []
-    guard = (m.c.id.in_(ids), m.c.status.in_(allowed))
+    guard = (_m.c.id.in_(ids), _m.c.status.in_(allowed))
     if conn.dialect.update_returning:
-        changed = conn.execute(sa.update(m).where(*guard).values(**values).returning(m.c.id))
+        changed = conn.execute(sa.update(_m).where(*guard).values(**values).returning(_m.c.id))
         return sorted(changed.scalars())
-    locked = sorted(conn.execute(sa.select(m.c.id).where(*guard).with_for_update()).scalars())
+    locked = sorted(conn.execute(sa.select(_m.c.id).where(*guard).with_for_update()).scalars())
     if locked:
-        conn.execute(sa.update(m).where(m.c.id.in_(locked), guard[1]).values(**values))
+        conn.execute(sa.update(_m).where(_m.c.id.in_(locked), guard[1]).values(**values))
     return locked
 
 
@@ -995,39 +995,39 @@ class Filter:
 def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
     clauses: list[sa.ColumnElement[bool]] = []
     if f.ids:
-        clauses.append(m.c.id.in_(f.ids))
+        clauses.append(_m.c.id.in_(f.ids))
     if f.statuses:
-        clauses.append(m.c.status.in_(f.statuses))
+        clauses.append(_m.c.status.in_(f.statuses))
     if f.categories:
-        clauses.append(m.c.category.in_(f.categories))
+        clauses.append(_m.c.category.in_(f.categories))
     if f.key is not None:
         if f.key.endswith("*"):
             prefix = f.key[:-1].replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            clauses.append(m.c.idempotency_key.like(prefix + "%", escape="\\"))
+            clauses.append(_m.c.idempotency_key.like(prefix + "%", escape="\\"))
         else:
-            clauses.append(m.c.idempotency_key == f.key)
+            clauses.append(_m.c.idempotency_key == f.key)
     if f.created_before is not None:
-        clauses.append(m.c.created_at < f.created_before)
+        clauses.append(_m.c.created_at < f.created_before)
     if f.created_after is not None:
-        clauses.append(m.c.created_at >= f.created_after)
+        clauses.append(_m.c.created_at >= f.created_after)
     if f.changed_before is not None:
-        clauses.append(m.c.updated_at < f.changed_before)
+        clauses.append(_m.c.updated_at < f.changed_before)
     return clauses
 
 
 _LIST_COLUMNS = (
-    m.c.id,
-    m.c.status,
-    m.c.category,
-    m.c.priority,
-    m.c.idempotency_key,
-    m.c.recipients,
-    m.c.subject,
-    m.c.attempt_count,
-    m.c.next_attempt_at,
-    m.c.created_at,
-    m.c.updated_at,
-    m.c.last_error_code,
+    _m.c.id,
+    _m.c.status,
+    _m.c.category,
+    _m.c.priority,
+    _m.c.idempotency_key,
+    _m.c.recipients,
+    _m.c.subject,
+    _m.c.attempt_count,
+    _m.c.next_attempt_at,
+    _m.c.created_at,
+    _m.c.updated_at,
+    _m.c.last_error_code,
 )
 
 
@@ -1035,28 +1035,28 @@ def list_messages(
     conn: sa.Connection, f: Filter, *, limit: int, after_id: int | None = None
 ) -> list[Any]:
     """list_messages -- One page of messages matching ``f``, by id (keyset paging)."""
-    stmt = sa.select(*_LIST_COLUMNS).where(*_where(f)).order_by(m.c.id).limit(limit)
+    stmt = sa.select(*_LIST_COLUMNS).where(*_where(f)).order_by(_m.c.id).limit(limit)
     if after_id is not None:
-        stmt = stmt.where(m.c.id > after_id)
+        stmt = stmt.where(_m.c.id > after_id)
     return list(conn.execute(stmt).all())
 
 
 def count_messages(conn: sa.Connection, f: Filter) -> int:
     """count_messages -- How many messages match ``f``."""
-    stmt = sa.select(sa.func.count()).select_from(m).where(*_where(f))
+    stmt = sa.select(sa.func.count()).select_from(_m).where(*_where(f))
     return int(conn.execute(stmt).scalar_one())
 
 
 def message_ids(conn: sa.Connection, f: Filter) -> list[int]:
     """message_ids -- Every id matching ``f``, in order (for a bulk operator command)."""
-    return list(conn.execute(sa.select(m.c.id).where(*_where(f)).order_by(m.c.id)).scalars())
+    return list(conn.execute(sa.select(_m.c.id).where(*_where(f)).order_by(_m.c.id)).scalars())
 
 
 def get_message(
     conn: sa.Connection, message_id: int
 ) -> tuple[sa.Row[Any] | None, list[sa.Row[Any]]]:
     """get_message -- A message row and all its attempts, oldest first."""
-    row = conn.execute(sa.select(m).where(m.c.id == message_id)).one_or_none()
+    row = conn.execute(sa.select(_m).where(_m.c.id == message_id)).one_or_none()
     history = conn.execute(
         sa.select(attempts).where(attempts.c.message_id == message_id).order_by(attempts.c.id)
     ).all()
@@ -1072,7 +1072,7 @@ def statuses_of(conn: sa.Connection, ids: Sequence[int]) -> dict[int, str]:
     found: dict[int, str] = {}
     for start in range(0, len(ids), _IDS_PER_STATEMENT):
         chunk = ids[start : start + _IDS_PER_STATEMENT]
-        rows = conn.execute(sa.select(m.c.id, m.c.status).where(m.c.id.in_(chunk))).all()
+        rows = conn.execute(sa.select(_m.c.id, _m.c.status).where(_m.c.id.in_(chunk))).all()
         found.update((row.id, row.status) for row in rows)
     return found
 
@@ -1084,9 +1084,9 @@ def prune_batch(conn: sa.Connection, *, before: datetime, limit: int) -> int:
     old = Filter(statuses=TERMINAL, created_before=before, changed_before=before)
     ids = list(
         conn.execute(
-            sa.select(m.c.id)
+            sa.select(_m.c.id)
             .where(*_where(old))
-            .order_by(m.c.id)
+            .order_by(_m.c.id)
             .limit(limit)
             .with_for_update(skip_locked=True)
         ).scalars()
@@ -1094,7 +1094,7 @@ def prune_batch(conn: sa.Connection, *, before: datetime, limit: int) -> int:
     if not ids:
         return 0
     conn.execute(sa.delete(attempts).where(attempts.c.message_id.in_(ids)))
-    result = conn.execute(sa.delete(m).where(m.c.id.in_(ids), m.c.status.in_(TERMINAL)))
+    result = conn.execute(sa.delete(_m).where(_m.c.id.in_(ids), _m.c.status.in_(TERMINAL)))
     return int(result.rowcount)
 
 
@@ -1146,7 +1146,7 @@ def read_view(conn: sa.Connection, name: str) -> list[dict[str, Any]]:
 # -- relays ------------------------------------------------------------------------------
 
 
-LIVE_STATES = (RelayState.RUNNING, RelayState.PAUSED, RelayState.DRAINING)
+_LIVE_STATES = (RelayState.RUNNING, RelayState.PAUSED, RelayState.DRAINING)
 
 
 def register(
@@ -1169,7 +1169,7 @@ def register(
         "state": RelayState.RUNNING.value,
     }
     dead = sa.or_(
-        relays.c.state.not_in(LIVE_STATES),
+        relays.c.state.not_in(_LIVE_STATES),
         relays.c.heartbeat_at < now - timedelta(seconds=dead_after),
     )
     take = sa.update(relays).where(relays.c.relay_id == relay_id, dead).values(values)

@@ -36,6 +36,8 @@ from relay.db import READ_COMMITTED
 from relay.senders import Accepted, BaseSender, Outcome, OutgoingMessage
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
+    "LOCK_WAIT",
     "DatabaseInUse",
     "FakeSender",
     "RelayNotIdle",
@@ -44,8 +46,8 @@ __all__ = [
     "sender_from_env",
 ]
 
-Script = Callable[[OutgoingMessage], Outcome]
-log = logging.getLogger(__name__)
+_Script = Callable[[OutgoingMessage], Outcome]
+_log = logging.getLogger(__name__)
 
 
 class FakeSender(BaseSender):
@@ -61,12 +63,12 @@ class FakeSender(BaseSender):
 
     def __init__(
         self,
-        outcomes: Script | Iterable[Outcome] | None = None,
+        outcomes: _Script | Iterable[Outcome] | None = None,
         *,
         latency: float = 0.0,
         record_file: str | os.PathLike[str] | None = None,
     ) -> None:
-        self._script: Script | None = outcomes if callable(outcomes) else None
+        self._script: _Script | None = outcomes if callable(outcomes) else None
         self._queue = collections.deque(() if outcomes is None or callable(outcomes) else outcomes)
         self.latency = latency
         self.record_file = Path(record_file) if record_file is not None else None
@@ -327,7 +329,7 @@ def _note_held_connections(engine: sa.Engine) -> None:
     checked_out = getattr(engine.pool, "checkedout", None)
     if engine.dialect.name != "sqlite" or not callable(checked_out) or not checked_out():
         return
-    log.warning(
+    _log.warning(
         "%d connection(s) of the SQLite engine are checked out while the relay runs (a session "
         "inside a transaction?): that transaction keeps seeing the database as it was, and a "
         "write in it will fail with 'database is locked' (SQLite's snapshot rule); end it "
@@ -356,7 +358,9 @@ def _use_wal(engine: sa.Engine) -> None:
         finally:
             cursor.close()
     except engine.dialect.loaded_dbapi.Error as exc:
-        log.warning("could not switch the SQLite database to WAL: %s", exc, extra={"action": "wal"})
+        _log.warning(
+            "could not switch the SQLite database to WAL: %s", exc, extra={"action": "wal"}
+        )
     finally:
         raw.close()
 

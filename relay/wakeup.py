@@ -18,7 +18,7 @@ from outbox.enqueue import NOTIFY_CHANNEL
 
 __all__ = ["Listener"]
 
-log = logging.getLogger("relay")
+_log = logging.getLogger("relay")
 
 
 class Listener:
@@ -38,7 +38,7 @@ class Listener:
         try:
             import psycopg  # noqa: F401
         except ImportError:
-            log.info("psycopg not installed: polling only", extra={"action": "no_listen"})
+            _log.info("psycopg not installed: polling only", extra={"action": "no_listen"})
             return None
         return cls(_connect_params(engine), on_notify)
 
@@ -64,7 +64,7 @@ class Listener:
             except psycopg.Error as exc:
                 failures += 1
                 delay = min(30.0, 0.5 * 2.0 ** min(failures, 6)) * random.uniform(0.5, 1.0)
-                log.warning("LISTEN connection lost: %s", exc, extra={"action": "listen_error"})
+                _log.warning("LISTEN connection lost: %s", exc, extra={"action": "listen_error"})
                 self._stop.wait(delay)
 
 

@@ -58,14 +58,14 @@ from relay.senders import (
     as_sender,
 )
 
-__all__ = ["Relay"]
+__all__ = ["STUCK_RETRY", "Relay"]
 
-log = logging.getLogger("relay")
+_log = logging.getLogger("relay")
 
-EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
-SWEEP_INTERVAL = 1.0  # seconds between sweeps for expired leases
-AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
-SENDER_ERRORS_TO_PAUSE = 3  # consecutive sends the sender raised on: pause, do not burn the queue
+_EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
+_SWEEP_INTERVAL = 1.0  # seconds between sweeps for expired leases
+_AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
+_SENDER_ERRORS_TO_PAUSE = 3  # consecutive sends the sender raised on: pause, do not burn the queue
 STUCK_RETRY = 30.0  # seconds between tries to save a finished send that could not be saved
 # what the relay writes must fit its columns, or a provider's long answer would make a
 # finished send unsaveable
@@ -234,13 +234,13 @@ class Relay:
             return setting
         rate = self.sender.max_send_rate()
         if rate is None:
-            log.warning(
+            _log.warning(
                 "--max-send-rate auto: the sender reports no account rate; using %g/s",
-                AUTO_RATE_FALLBACK,
+                _AUTO_RATE_FALLBACK,
                 extra={"action": "send_rate"},
             )
-            return AUTO_RATE_FALLBACK
-        log.info("account send rate %g/s", rate, extra={"action": "send_rate"})
+            return _AUTO_RATE_FALLBACK
+        _log.info("account send rate %g/s", rate, extra={"action": "send_rate"})
         return float(rate)
 
     def run(self) -> None:
@@ -261,7 +261,7 @@ class Relay:
                     self._stopping.wait(self._db_backoff())
                     continue
                 if not busy and self.config.exit_when_idle and self._idle():
-                    log.info("idle, exiting", extra={"action": "idle_exit"})
+                    _log.info("idle, exiting", extra={"action": "idle_exit"})
                     break
                 if not busy:
                     self._wait()
@@ -288,7 +288,7 @@ class Relay:
         except _Stopped:
             self._pool.shutdown(wait=False)
             self._drop_connection()
-            log.info("stopped before the database answered", extra={"action": "stopped"})
+            _log.info("stopped before the database answered", extra={"action": "stopped"})
             return False
         self._with_db(self._register)
         return True
@@ -399,7 +399,7 @@ class Relay:
         self._announce_saved(batch, applied)
         self._announce_expired(expired)
         if claims:
-            log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
+            _log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
         if probe:
             self._probe_found_nothing = not (claims or self._ready or wave)
             if self._probe_found_nothing:
@@ -464,7 +464,7 @@ class Relay:
             self._save_alone(list(self._stuck), now)
 
     def _log_unsaved(self, done: _Done, exc: sa.exc.DBAPIError, what: str) -> None:
-        log.error(
+        _log.error(
             "a finished send: %s: %s",
             what,
             exc.orig if exc.orig is not None else exc,
@@ -535,7 +535,7 @@ class Relay:
             store.release_unsent(
                 conn, ids=[claim.id], claim_token=claim.claim_token, now=now, next_attempt_at=later
             )
-            log.info(
+            _log.info(
                 "held: its sending is paused",
                 extra={"action": "held", "message_id": claim.id},
             )
@@ -578,7 +578,7 @@ class Relay:
         for ready, slot in wave:
             claim = ready.claim
             if (claim.id, claim.claim_token) not in marked:
-                log.warning(
+                _log.warning(
                     "lease lost before the send started; not sending",
                     extra={"action": "lease_lost", "message_id": claim.id},
                 )
@@ -614,7 +614,7 @@ class Relay:
         send: another relay may have swept the row already."""
         if slot is not None and (late := self.limiter.wait(slot)) is not None:
             # later than its booking allows: sending now could crowd a second of the budget
-            log.warning(
+            _log.warning(
                 "send started %.3fs after its booked time; given back unsent",
                 late,
                 extra={"action": "send_slot_missed", "message_id": message.id},
@@ -629,7 +629,7 @@ class Relay:
         try:
             outcome: Outcome = self.sender.send(message)
         except Exception as exc:
-            log.exception(
+            _log.exception(
                 "sender raised", extra={"action": "sender_error", "message_id": message.id}
             )
             outcome = Ambiguous(code="sender_exception", message=f"{type(exc).__name__}: {exc}")
@@ -730,14 +730,14 @@ class Relay:
             case Disabled(pause=True, code=code, scope=scope):
                 self._pause(scope, code)
             case Permanent(config_error=True, code=code):
-                log.error(
+                _log.error(
                     "sending is misconfigured: %s",
                     code,
                     extra={"action": "config_error", "code": code},
                 )
         broken = isinstance(outcome, Ambiguous) and outcome.code == "sender_exception"
         self._sender_errors = self._sender_errors + 1 if broken else 0
-        if self._sender_errors >= SENDER_ERRORS_TO_PAUSE:
+        if self._sender_errors >= _SENDER_ERRORS_TO_PAUSE:
             self._pause(ACCOUNT, "sender_exception")
         if probe is None:
             return
@@ -748,7 +748,7 @@ class Relay:
             if probe == ACCOUNT:
                 self.state = RelayState.RUNNING
                 self._last_heartbeat = 0.0  # show the resumption in outbox_relays at once
-            log.warning(
+            _log.warning(
                 "sending works again; resuming (%s)",
                 probe,
                 extra={"action": "resumed", "scope": str(probe)},
@@ -756,7 +756,7 @@ class Relay:
 
     def _pause(self, scope: Scope, code: str) -> None:
         first = self.pauses.pause(scope, code)
-        log.error(
+        _log.error(
             "sending paused (%s: %s); probing again in %gs",
             scope,
             code,
@@ -786,7 +786,7 @@ class Relay:
                 held.append(flight.claim)
             elif not flight.overdue:
                 flight.overdue = True
-                log.error(
+                _log.error(
                     "send still running past --send-timeout; its lease is left to expire",
                     extra={"action": "send_overdue", "message_id": flight.claim.id},
                 )
@@ -820,11 +820,11 @@ class Relay:
             ready.claim = renewed(ready.claim)
         for claim in due:
             if (claim.id, claim.claim_token) not in kept:
-                log.warning("lease lost", extra={"action": "lease_lost", "message_id": claim.id})
+                _log.warning("lease lost", extra={"action": "lease_lost", "message_id": claim.id})
 
     def _sweep(self, now: datetime) -> bool:
         mono = time.monotonic()
-        if mono - self._last_sweep < SWEEP_INTERVAL or mono < self._sweep_from:
+        if mono - self._last_sweep < _SWEEP_INTERVAL or mono < self._sweep_from:
             return False
         self._last_sweep = mono
         with self._transaction() as conn:
@@ -841,7 +841,7 @@ class Relay:
 
     def _expire(self, now: datetime) -> None:
         """Expire rows that are not due yet; due ones are expired by the claim itself."""
-        if time.monotonic() - self._last_expire < EXPIRE_INTERVAL:
+        if time.monotonic() - self._last_expire < _EXPIRE_INTERVAL:
             return
         with self._transaction() as conn:
             gone = store.expire(conn, now=now)
@@ -850,7 +850,7 @@ class Relay:
 
     def _announce_expired(self, expired: list[store.Expired]) -> None:
         for gone in expired:
-            log.info("expired unsent", extra={"action": "expired", "message_id": gone.id})
+            _log.info("expired unsent", extra={"action": "expired", "message_id": gone.id})
             signals.expired.send(self, message_id=gone.id, category=gone.category)
 
     # -- heartbeat, drain, waiting ---------------------------------------------------------
@@ -873,7 +873,7 @@ class Relay:
                 "each relay its own id (or leave --relay-id unset)",
             )
         self._last_heartbeat = time.monotonic()
-        log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
+        _log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
 
     def _holds_row(self, conn: sa.Connection, now: datetime) -> bool:
         """Heartbeat the row this relay registered; False if it has none, or lost it."""
@@ -906,7 +906,7 @@ class Relay:
             if conn.dialect.name in ("mysql", "mariadb"):
                 level = conn.get_isolation_level()
                 if level != READ_COMMITTED:
-                    log.warning(
+                    _log.warning(
                         "engine runs at %s: concurrent claims will wait on gap locks; "
                         "build it with relay.db.make_engine (READ COMMITTED)",
                         level,
@@ -940,7 +940,7 @@ class Relay:
             self._registered_at = now
             return
         self._registered_at = None
-        log.error(
+        _log.error(
             "relay id %r taken over by a relay on host %s (pid %s); stopping",
             self.relay_id,
             holder.host,
@@ -960,14 +960,14 @@ class Relay:
                     started_at=self._registered_at,
                     now=self.clock(),
                 )
-        log.info("relay stopped", extra={"action": "stopped", "relay_id": self.relay_id})
+        _log.info("relay stopped", extra={"action": "stopped", "relay_id": self.relay_id})
 
     def _drain(self) -> None:
         """Stop claiming, give back unstarted claims, let sends in flight finish and finalize
         them within ``drain_seconds``."""
         self.state = RelayState.DRAINING
         deadline = time.monotonic() + self.config.drain_seconds
-        log.info(
+        _log.info(
             "draining",
             extra={"action": "draining", "in_flight": len(self._in_flight)},
         )
@@ -975,7 +975,7 @@ class Relay:
         while self._in_flight or self._unsaved:
             self.loop_at = time.monotonic()
             if time.monotonic() >= deadline:
-                log.error(
+                _log.error(
                     "drain deadline passed with sends in flight; their leases will expire",
                     extra={"action": "drain_timeout", "in_flight": len(self._in_flight)},
                 )
@@ -986,7 +986,7 @@ class Relay:
             if self._in_flight:
                 self._wake.wait(0.05)
                 self._wake.clear()
-        log.info("drained", extra={"action": "drained"})
+        _log.info("drained", extra={"action": "drained"})
 
     def _drain_step(self) -> None:
         self._finalize()
@@ -1009,7 +1009,7 @@ class Relay:
                     conn, ids=ids, claim_token=token, now=now, next_attempt_at=later
                 )
                 if back < len(ids):  # swept and taken by another relay meanwhile
-                    log.warning(
+                    _log.warning(
                         "%d of %d claims were no longer held when given back",
                         len(ids) - back,
                         len(ids),
@@ -1017,7 +1017,7 @@ class Relay:
                     )
         for ready in chosen:
             claim = ready.claim
-            log.info("released unstarted", extra={"action": "released", "message_id": claim.id})
+            _log.info("released unstarted", extra={"action": "released", "message_id": claim.id})
             signals.released.send(self, message_id=claim.id, category=claim.category)
             if ready.probe is not None:
                 self.pauses.probe_lost(ready.probe)
@@ -1082,7 +1082,7 @@ class Relay:
         except sa.exc.DBAPIError as exc:
             self._db_failures += 1
             self._sweep_from = math.inf  # no sweep until reconnected and the others had time
-            log.warning(
+            _log.warning(
                 "database error: %s",
                 exc.orig if exc.orig is not None else exc,
                 extra={"action": "db_error", "failures": self._db_failures},
@@ -1119,7 +1119,7 @@ class Relay:
             "swept": True if swept else None,
         }
         if not applied:
-            log.warning(
+            _log.warning(
                 "claim no longer held; attempt recorded, message left as it is",
                 extra={**extra, "provider_message_id": decision.provider_message_id},
             )
@@ -1134,7 +1134,7 @@ class Relay:
             )
             return
         level = logging.WARNING if decision.action is Action.HOLD else logging.INFO
-        log.log(level, _LOG_ACTIONS[decision.action], extra=extra)
+        _log.log(level, _LOG_ACTIONS[decision.action], extra=extra)
         _SIGNALS[decision.action].send(
             self,
             message_id=claim.id,

@@ -64,9 +64,9 @@ from relay.senders import (
 )
 
 if TYPE_CHECKING:
-    from mypy_boto3_sesv2 import SESV2Client
+    from mypy_boto3_sesv2 import SESV2Client as _SESV2Client
 else:
-    SESV2Client = Any
+    _SESV2Client = Any
 
 __all__ = [
     "Progress",
@@ -77,13 +77,13 @@ __all__ = [
     "pause_scope",
 ]
 
-log = logging.getLogger("relay")
+_log = logging.getLogger("relay")
 
 
-THROTTLING = frozenset(
+_THROTTLING = frozenset(
     {"TooManyRequestsException", "Throttling", "ThrottlingException", "ThrottledException"}
 )
-PAUSED = frozenset(
+_PAUSED = frozenset(
     {
         "AccountSendingPausedException",
         "SendingPausedException",
@@ -91,7 +91,7 @@ PAUSED = frozenset(
         "AccountSuspendedException",
     }
 )
-CREDENTIALS = frozenset(
+_CREDENTIALS = frozenset(
     {
         "UnrecognizedClientException",
         "InvalidClientTokenId",
@@ -102,10 +102,10 @@ CREDENTIALS = frozenset(
         "AccessDenied",
     }
 )
-REJECTED = frozenset(
+_REJECTED = frozenset(
     {"MessageRejected", "BadRequestException", "InvalidParameterValue", "ValidationError"}
 )
-MISCONFIGURED = frozenset(
+_MISCONFIGURED = frozenset(
     {
         "MailFromDomainNotVerifiedException",
         "MailFromDomainNotVerified",
@@ -114,7 +114,7 @@ MISCONFIGURED = frozenset(
         "ConfigurationSetDoesNotExistException",
     }
 )
-DAILY_QUOTA = "daily message quota exceeded"
+_DAILY_QUOTA = "daily message quota exceeded"
 
 
 class Progress(enum.Enum):
@@ -188,15 +188,15 @@ def _answer(exc: bex.ClientError) -> Outcome:
     code = str(error.get("Code") or "Unknown")
     text = str(error.get("Message") or "")
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    if DAILY_QUOTA in text.lower():
+    if _DAILY_QUOTA in text.lower():
         return Disabled(code="DailyQuotaExceeded", message=text, pause=True)
-    if code in THROTTLING or status == 429:
+    if code in _THROTTLING or status == 429:
         return Transient(code=code, message=text, throttled=True)
-    if code in PAUSED or code in CREDENTIALS:
+    if code in _PAUSED or code in _CREDENTIALS:
         return Disabled(code=code, message=text, pause=True)
-    if code in MISCONFIGURED:
+    if code in _MISCONFIGURED:
         return Permanent(code=code, message=text, config_error=True)
-    if code in REJECTED:
+    if code in _REJECTED:
         return Permanent(code=code, message=text)
     if status >= 500:
         return Transient(code=code, message=text)
@@ -329,7 +329,7 @@ def build_client(
     concurrency: int,
     connect_timeout: float = 5.0,
     region: str | None = None,
-) -> SESV2Client:
+) -> _SESV2Client:
     """The one SES v2 client of a relay, from boto3's standard configuration chain (region,
     credentials, ``AWS_ENDPOINT_URL_SESV2``), with botocore's retries off, explicit timeouts
     and a connection pool as large as the relay's concurrency. Refuses to build without a
@@ -356,7 +356,7 @@ def build_client(
         max_pool_connections=max(10, concurrency),
         tcp_keepalive=True,
     )
-    client: SESV2Client = session.client("sesv2", config=config)
+    client: _SESV2Client = session.client("sesv2", config=config)
     return client
 
 
@@ -373,7 +373,7 @@ class SesSender(BaseSender):
 
     name = "ses"
 
-    def __init__(self, client: SESV2Client, *, configuration_set: str | None = None) -> None:
+    def __init__(self, client: _SESV2Client, *, configuration_set: str | None = None) -> None:
         self.client = client
         self.configuration_set = configuration_set
         self._progress = _Progress()
@@ -417,7 +417,7 @@ class SesSender(BaseSender):
         try:
             quota = self.client.get_account().get("SendQuota", {})
         except Exception as exc:
-            log.warning(
+            _log.warning(
                 "GetAccount failed (%s); no account send rate known",
                 type(exc).__name__,
                 extra={"action": "send_quota_unknown"},

@@ -56,7 +56,9 @@ if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
 __all__ = [
+    "DEFAULT_SECURITY",
     "OUTBOX_ID_HEADER",
+    "SECURITY_MODES",
     "Security",
     "SmtpSender",
     "SmtpSettings",
@@ -64,7 +66,7 @@ __all__ = [
     "from_env",
 ]
 
-log = logging.getLogger("relay")
+_log = logging.getLogger("relay")
 
 Security = Literal["starttls", "ssl", "none"]
 SECURITY_MODES: tuple[Security, ...] = ("starttls", "ssl", "none")
@@ -483,7 +485,7 @@ class SmtpSender(BaseSender):
                 self._discard(conn)
             return outcome
         if refused:
-            log.warning(
+            _log.warning(
                 "smtp server refused %d of %d recipients for good; sent to the others",
                 len(refused),
                 len(to_addrs),
@@ -583,7 +585,7 @@ class SmtpSender(BaseSender):
         except BaseException:
             conn.close()
             raise
-        log.debug(
+        _log.debug(
             "smtp connection opened",
             extra={"action": "smtp_connected", "host": self.host, "port": self.port},
         )
