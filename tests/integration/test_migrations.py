@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox import migrations
 from outbox.schema import metadata
+from tests.support.db import fresh_database
 
 TABLES = {
     "outbox_messages",
@@ -139,22 +140,8 @@ def downgrade():
 @pytest.fixture
 def host_database(backend, tmp_path):
     """A fresh, empty database next to the backend's test database."""
-    if backend.name == "sqlite":
-        yield f"sqlite:///{tmp_path / 'host.db'}"
-        return
-    url = sa.make_url(backend.url)
-    server = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    name = f"{url.database}_host"  # next to this run's own database, not a shared name
-    with server.connect() as conn:
-        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
-        conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    yield url.set(database=name).render_as_string(hide_password=False)
-    with server.connect() as conn:
-        if backend.name == "postgresql":
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        else:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
-    server.dispose()
+    with fresh_database(backend, tmp_path, "host") as url:
+        yield url
 
 
 def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ __all__ = [
     "async_url_for",
     "attempt_rows",
     "emptied",
+    "fresh_database",
     "reset_database",
     "row",
     "rows",
@@ -146,6 +148,29 @@ def emptied(backend: Backend) -> Iterator[Backend]:
             *reversed(outbox_metadata.sorted_tables),
         ):
             conn.execute(table.delete())
+
+
+@contextmanager
+def fresh_database(backend: Backend, folder: Path, suffix: str) -> Iterator[str]:
+    """The URL of a new, empty database of ``backend``'s kind, dropped afterwards: on a server
+    ``<test database>_<suffix>`` (next to this run's own database, not a shared name), on
+    SQLite ``<suffix>.db`` in ``folder``."""
+    if backend.name == "sqlite":
+        yield f"sqlite:///{folder / f'{suffix}.db'}"
+        return
+    url = sa.make_url(backend.url)
+    server = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    name = f"{url.database}_{suffix}"
+    with server.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    try:
+        yield url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        force = " WITH (FORCE)" if backend.name == "postgresql" else ""
+        with server.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}{force}")
+        server.dispose()
 
 
 def rows(engine: sa.Engine) -> list[sa.Row[Any]]:
