@@ -24,6 +24,7 @@ from outbox import EnqueueResult, Outbox
 from outbox.schema import messages
 from tests.support.db import Backend, Order, emptied, rows
 from tests.support.factories import email
+from tests.support.waiting import wait_for
 
 LOCK_WAIT_SECONDS = 5
 
@@ -89,10 +90,11 @@ def waiting(engine: sa.Engine, ids: list[int]) -> int:
 
 
 def wait_until_blocked(engine: sa.Engine, ids: list[int], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while waiting(engine, ids) < len(ids):
-        assert time.monotonic() < deadline, f"sessions {ids} never blocked on a lock"
-        time.sleep(0.02)
+    wait_for(
+        lambda: waiting(engine, ids) >= len(ids),
+        timeout=timeout,
+        what=f"sessions {ids} to block on a lock",
+    )
 
 
 class Caller(threading.Thread):
