@@ -49,14 +49,13 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import sqlalchemy as sa
 from blinker import NamedSignal
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from relay import signals
+from relay import signals, store
 from relay.worker import Relay
 
 __all__ = ["CLAIM_BUCKETS", "SEND_BUCKETS", "RelayMetrics"]
@@ -76,7 +75,6 @@ _OUTCOME_SIGNALS: dict[str, NamedSignal] = {
     "stale_finalize": signals.stale_finalize,
     "save_failed": signals.save_failed,
 }
-_LAG_QUERY = sa.text("SELECT category, due_count, lag_seconds FROM outbox_lag")
 
 _Receiver = Callable[..., None]
 
@@ -181,7 +179,7 @@ class RelayMetrics:
         """Read ``outbox_lag`` now, on a short connection from the relay's engine."""
         try:
             with self.relay.engine.connect() as conn:
-                rows = conn.execute(_LAG_QUERY).all()
+                rows = store.read_lag(conn)
         except Exception as exc:
             self.lag_errors += 1
             self._lag = None

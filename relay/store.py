@@ -61,6 +61,8 @@ __all__ = [
     "cancel",
     "cancel_many",
     "claim_batch",
+    "count_due",
+    "count_locked_due",
     "count_messages",
     "expire",
     "extend_lease",
@@ -77,6 +79,7 @@ __all__ = [
     "missing_tables",
     "prune_batch",
     "prune_send_budget",
+    "read_lag",
     "read_view",
     "record_attempts",
     "register",
@@ -1141,6 +1144,38 @@ def read_view(conn: sa.Connection, name: str) -> list[dict[str, Any]]:
         raise ValueError(f"not an outbox view: {name}")
     stmt = sa.text(f"SELECT * FROM {name}").columns(**_VIEW_TYPES.get(name, {}))
     return [dict(row._mapping) for row in conn.execute(stmt)]
+
+
+_LAG = sa.text("SELECT category, due_count, lag_seconds FROM outbox_lag")
+
+
+def read_lag(conn: sa.Connection) -> Sequence[sa.Row[Any]]:
+    """read_lag -- Each category's ``category``, ``due_count`` and ``lag_seconds``, as
+    ``outbox_lag`` has them (the metrics' gauges)."""
+    return conn.execute(_LAG).all()
+
+
+# -- what is left (relay.testing's report when the relay was not idle) ---------------------
+
+
+def _due_at(now: datetime) -> sa.Select[Any]:
+    return sa.select(_m.c.id).where(
+        _m.c.status.in_([s.value for s in CLAIMABLE]), _m.c.next_attempt_at <= now
+    )
+
+
+def count_due(conn: sa.Connection, *, now: datetime) -> int:
+    """count_due -- How many messages are due at ``now`` (claimable, ``next_attempt_at`` past)."""
+    return len(conn.execute(_due_at(now)).all())
+
+
+def count_locked_due(conn: sa.Connection, *, now: datetime) -> int:
+    """count_locked_due -- How many due messages another transaction holds locked: the due
+    ones ``FOR UPDATE SKIP LOCKED`` does not return (PostgreSQL, MariaDB)."""
+    due = _due_at(now)
+    every = set(conn.execute(due).scalars())
+    free = set(conn.execute(due.with_for_update(skip_locked=True)).scalars()) if every else set()
+    return len(every - free)
 
 
 # -- relays ------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
-from outbox.schema import CLAIMABLE, messages
+from relay import store
 from relay.clock import read_database_time
 from relay.db import READ_COMMITTED
 from relay.senders import Accepted, BaseSender, Outcome, OutgoingMessage
@@ -393,25 +392,15 @@ def _bound_lock_waits(conn: sa.Connection) -> None:
     conn.commit()
 
 
-def _due(now: datetime) -> sa.Select[Any]:
-    return sa.select(messages.c.id).where(
-        messages.c.status.in_([s.value for s in CLAIMABLE]), messages.c.next_attempt_at <= now
-    )
-
-
 def _locked_due(engine: sa.Engine) -> int:
     """How many due messages another transaction holds locked (the claim skipped them): due
     ones that ``FOR UPDATE SKIP LOCKED`` does not return. SQLite locks no rows: 0."""
     if engine.dialect.name == "sqlite":
         return 0
     with engine.connect() as conn:
-        due = _due(read_database_time(conn))
-        every = set(conn.execute(due).scalars())
-        free = (
-            set(conn.execute(due.with_for_update(skip_locked=True)).scalars()) if every else set()
-        )
+        locked = store.count_locked_due(conn, now=read_database_time(conn))
         conn.rollback()
-    return len(every - free)
+    return locked
 
 
 def _not_idle(timeout: float, engine: sa.Engine, relay: _Left, errors: _DatabaseErrors) -> str:
@@ -419,7 +408,7 @@ def _not_idle(timeout: float, engine: sa.Engine, relay: _Left, errors: _Database
     in_flight = _many(relay.in_flight, "send") + " in flight"
     try:
         with engine.connect() as conn:
-            due = len(conn.execute(_due(read_database_time(conn))).all())
+            due = store.count_due(conn, now=read_database_time(conn))
         locked = _locked_due(engine)
         left = f"{_many(due, 'message')} still due, {in_flight}"
     except sa.exc.DBAPIError as exc:

@@ -38,7 +38,6 @@ from sqlalchemy.pool import SingletonThreadPool, StaticPool
 from outbox.exceptions import ConfigurationError
 from outbox.message import Email
 from outbox.schema import AttemptOutcome, RelayState
-from outbox.schema import metadata as outbox_metadata
 from relay import signals, store
 from relay.clock import DatabaseClock
 from relay.config import RelayConfig
@@ -328,8 +327,7 @@ class Relay:
         """Refuse a database without every outbox table (never migrated, or migrated by an
         older release)."""
         with self._transaction() as conn:
-            present = set(sa.inspect(conn).get_table_names())
-        missing = sorted(set(outbox_metadata.tables) - present)
+            missing = store.missing_tables(conn)
         if missing:
             raise ConfigurationError(
                 "--database-url",
