@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from outbox.exceptions import ConfigurationError
-from outbox.schema import AmbiguityPolicy
+from outbox.schema import MAX_BACKOFF_SECONDS, AmbiguityPolicy
 
 __all__ = ["DEFAULT_CATEGORIES", "Category"]
 
@@ -45,8 +45,13 @@ class Category:
             raise ConfigurationError(f"{where}.max_attempts", "must be between 1 and 1000")
         if not isinstance(self.backoff_base, int | float) or not self.backoff_base > 0:
             raise ConfigurationError(f"{where}.backoff_base", "must be a positive number")
-        if not isinstance(self.backoff_cap, int | float) or self.backoff_cap < self.backoff_base:
-            raise ConfigurationError(f"{where}.backoff_cap", "must be at least backoff_base")
+        if not isinstance(self.backoff_cap, int | float) or not (
+            self.backoff_base <= self.backoff_cap <= MAX_BACKOFF_SECONDS
+        ):
+            raise ConfigurationError(
+                f"{where}.backoff_cap",
+                f"must be at least backoff_base and at most {MAX_BACKOFF_SECONDS:g} s (30 days)",
+            )
         try:
             object.__setattr__(self, "ambiguity", AmbiguityPolicy(self.ambiguity))
         except ValueError:

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Dialect
 
 __all__ = [
     "CLAIMABLE",
+    "MAX_BACKOFF_SECONDS",
     "TERMINAL",
     "AmbiguityPolicy",
     "AttemptOutcome",
@@ -98,6 +99,8 @@ class AttemptOutcome(enum.StrEnum):
 _STALE = "stale:"
 
 CLAIMABLE = (Status.PENDING, Status.RETRYING)
+MAX_BACKOFF_SECONDS = 30 * 24 * 3600.0  # no retry is scheduled further out than 30 days
+
 TERMINAL = (Status.SENT, Status.FAILED, Status.CANCELLED, Status.EXPIRED)
 
 

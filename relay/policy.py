@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from outbox.schema import AmbiguityPolicy
+from outbox.schema import MAX_BACKOFF_SECONDS, AmbiguityPolicy
 from relay.senders import Accepted, Ambiguous, Disabled, Outcome, Permanent, Transient
 
 __all__ = [
@@ -81,6 +81,11 @@ def backoff_seconds(
         ceiling = min(cap, math.ldexp(base, max(1, attempt) - 1))
     except OverflowError:  # 2 ** (attempt - 1) beyond a float: the cap
         ceiling = cap
+    # a row's policy or a provider's hint may be any float: a delay is a finite number of
+    # seconds within MAX_BACKOFF_SECONDS, so that ``now + delay`` is always a date
+    floor = min(floor, MAX_BACKOFF_SECONDS) if floor > 0 else 0.0  # NaN, <= 0: no floor
+    if not ceiling <= MAX_BACKOFF_SECONDS:  # NaN and inf included
+        ceiling = MAX_BACKOFF_SECONDS
     return rng.uniform(floor, max(floor, ceiling))
 
 
@@ -117,7 +122,8 @@ def decide(
                     code=code,
                     message=f"{attempt} attempts exhausted; last: {message}".strip(),
                 )
-            floor = max(after or 0.0, THROTTLE_FLOOR_SECONDS if throttled else 0.0)
+            hint = after if after is not None and after > 0 else 0.0  # NaN and <= 0 ignored
+            floor = max(hint, THROTTLE_FLOOR_SECONDS if throttled else 0.0)
             delay = backoff_seconds(attempt, state.backoff_base, state.backoff_cap, floor, rng)
             return Decision(
                 action=Action.RETRY,

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox import AmbiguityPolicy
+from outbox.schema import MAX_BACKOFF_SECONDS
 from relay.policy import (
     THROTTLE_FLOOR_SECONDS,
     Action,
@@ -319,3 +320,31 @@ def test_a_backoff_is_the_floor_plus_the_draw_times_the_span(attempt, base, cap,
     u = random.Random(SEED).random()
     delay = backoff_seconds(attempt, base, cap, floor, random.Random(SEED))
     assert delay == pytest.approx(floor + (high - floor) * u)
+
+
+@pytest.mark.parametrize("hint", [float("nan"), float("inf"), 1e20, -5.0, 0.0])
+def test_any_retry_after_a_sender_gives_is_a_retry_within_the_longest_backoff(rng, hint):
+    """A hostile or broken hint must not raise in the relay's loop (a NaN or a delay past
+    datetime's range did, killing the relay with its finished sends unsaved)."""
+    decision = decide(
+        Transient(code="Throttling", throttled=True, retry_after=hint), state(0), NOW, rng
+    )
+    assert decision.action is RETRY
+    assert decision.next_attempt_at is not None
+    delay = (decision.next_attempt_at - NOW).total_seconds()
+    assert THROTTLE_FLOOR_SECONDS <= delay <= MAX_BACKOFF_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("base", "cap"),
+    [(2.0, 1e12), (float("inf"), float("inf")), (2.0, float("nan")), (1e300, 1e308)],
+)
+def test_a_rows_backoff_policy_beyond_any_date_is_a_retry_within_the_longest_backoff(base, cap):
+    """A row's policy is copied at enqueue and may be edited in the database: attempt 46 of a
+    cap of 1e12 s raised OverflowError before."""
+    hostile = state(45, backoff_base=base, backoff_cap=cap, max_attempts=60)
+    for seed in range(50):
+        decision = decide(Transient(code="x"), hostile, NOW, random.Random(seed))
+        assert decision.action is RETRY
+        delay = (decision.next_attempt_at - NOW).total_seconds()
+        assert 0.0 <= delay <= MAX_BACKOFF_SECONDS
