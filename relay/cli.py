@@ -201,7 +201,7 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
 @option("--smtp-port", type=int, default=None, help="SMTP port [default: 465 for ssl, else 587].")
 @option(
     "--smtp-security",
-    type=click.Choice(SECURITY_MODES),
+    type=click.Choice(SECURITY_MODES, case_sensitive=False),
     default=DEFAULT_SECURITY,
     help="How the SMTP connection is encrypted.",
 )
@@ -317,7 +317,12 @@ def run(**options: Any) -> None:
         if listener is not None:
             listener.stop()
         if not relay.in_flight:
-            sender.close()
+            try:
+                sender.close()
+            except Exception as exc:  # every send is saved by now: a failing close changes nothing
+                logging.getLogger("relay").error(
+                    "the sender failed to close: %r", exc, extra={"action": "sender_error"}
+                )
         engine.dispose()
     if relay.in_flight:  # drain deadline passed: do not wait on the sends' threads
         logging.shutdown()

@@ -7,14 +7,29 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeGuard
 
 import sqlalchemy as sa
 from sqlalchemy.exc import ArgumentError
 
 from outbox.exceptions import ConfigurationError
 
-__all__ = ["URL_FORMS", "RelayConfig", "default_relay_id"]
+__all__ = [
+    "MAX_SEND_RATE_RANGE",
+    "URL_FORMS",
+    "RelayConfig",
+    "default_relay_id",
+    "valid_send_rate",
+]
+
+MAX_SEND_RATE_RANGE = (0.001, 1_000_000.0)  # recipients per second: one per 17 min to a million
+
+
+def valid_send_rate(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is a send rate the relay can keep (a number within
+    :data:`MAX_SEND_RATE_RANGE`): a given ``--max-send-rate``, or a sender's account rate."""
+    low, high = MAX_SEND_RATE_RANGE
+    return not isinstance(value, bool) and isinstance(value, int | float) and low <= value <= high
 
 
 def default_relay_id() -> str:
@@ -61,8 +76,11 @@ class RelayConfig:
         _positive("--send-timeout", self.send_timeout)
         _positive("--poll-interval", self.poll_interval)
         _positive("--pause-seconds", self.pause_seconds)
-        if self.max_send_rate is not None and self.max_send_rate != "auto":
-            _positive("--max-send-rate", self.max_send_rate)
+        if self.max_send_rate not in (None, "auto") and not valid_send_rate(self.max_send_rate):
+            low, high = MAX_SEND_RATE_RANGE
+            raise ConfigurationError(
+                "--max-send-rate", f"must be 'auto' or a number from {low:g} to {high:g}"
+            )
         if not (isinstance(self.drain_seconds, int | float) and self.drain_seconds >= 0):
             raise ConfigurationError("--drain-seconds", "must be zero or a positive number")
         if self.lease_seconds <= 2 * self.send_timeout:

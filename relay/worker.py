@@ -40,7 +40,7 @@ from outbox.message import Email
 from outbox.schema import AttemptOutcome, RelayState
 from relay import signals, store
 from relay.clock import DatabaseClock
-from relay.config import RelayConfig
+from relay.config import RelayConfig, valid_send_rate
 from relay.db import READ_COMMITTED
 from relay.pause import ACCOUNT, Admission, Pauses, Scope, ScopeKind
 from relay.policy import Action, Decision, decide
@@ -232,9 +232,10 @@ class Relay:
         if setting != "auto":
             return setting
         rate = self.sender.max_send_rate()
-        if rate is None:
+        if not valid_send_rate(rate):  # None, or a value no limit can be built on
             _log.warning(
-                "--max-send-rate auto: the sender reports no account rate; using %g/s",
+                "--max-send-rate auto: the sender reports %s; using %g/s",
+                "no account rate" if rate is None else f"an unusable account rate {rate!r}",
                 _AUTO_RATE_FALLBACK,
                 extra={"action": "send_rate"},
             )

@@ -163,9 +163,14 @@ def as_sender(candidate: object) -> Sender:
     send = getattr(candidate, "send", None)
     if not callable(send):
         raise TypeError(f"an instance of {type(candidate).__name__}, which has no send(message)")
-    if isinstance(candidate, Sender) and _complete(candidate):
-        return candidate
-    return _Adapted(candidate, send)
+    try:  # reading a member may run a property, which may raise
+        if isinstance(candidate, Sender) and _complete(candidate):
+            return candidate
+        return _Adapted(candidate, send)
+    except Exception as exc:
+        raise TypeError(
+            f"an instance of {type(candidate).__name__}, whose members cannot be read: {exc!r}"
+        ) from exc
 
 
 def _complete(sender: Sender) -> bool:
@@ -203,7 +208,8 @@ class _Adapted(BaseSender):
 
     def max_send_rate(self) -> float | None:
         rate = None if self._rate is None else self._rate()
-        return None if rate is None else float(rate)
+        # not a number: no rate (the relay then warns and uses its fallback)
+        return float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None
 
     def __repr__(self) -> str:
         return f"as_sender({self.wrapped!r})"

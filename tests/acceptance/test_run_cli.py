@@ -85,6 +85,7 @@ BAD_SETTINGS = {
     "poll-interval-zero": ({"--poll-interval": "0"}, "--poll-interval"),
     "max-send-rate-negative": ({"--max-send-rate": "-5"}, "--max-send-rate"),
     "max-send-rate-zero": ({"--max-send-rate": "0"}, "--max-send-rate"),
+    "max-send-rate-tiny": ({"--max-send-rate": "1e-300"}, "--max-send-rate"),
     "send-timeout-infinite": ({"--send-timeout": "inf"}, "--send-timeout"),
     "sender-unknown-name": ({"--sender": "nosuch"}, "--sender"),
     "sender-missing-module": ({"--sender": "nosuch.module:x"}, "--sender"),
@@ -275,3 +276,108 @@ def test_a_quick_run_on_sqlite_delivers_every_message_once(tmp_path):
         assert relay_rows(engine)["sqlite-quick"].state == "stopped"
     finally:
         engine.dispose()
+
+
+HOSTILE = """
+from relay.senders import Accepted
+
+
+class Closing:
+    def send(self, message):
+        return Accepted(provider_message_id=f"closing-{message.id}")
+
+    def close(self):
+        raise RuntimeError("close failed")
+
+    def max_send_rate(self):
+        return RATE
+
+
+class Unnamed(Closing):
+    @property
+    def name(self):
+        raise RuntimeError("no name")
+
+
+def closing():
+    return Closing()
+
+
+def unnamed():
+    return Unnamed()
+"""
+
+
+@pytest.mark.parametrize("rate", ["float('nan')", "0", "float('inf')", "1e-300", "'abc'", "-3"])
+def test_a_sender_whose_close_raises_and_whose_rate_is_garbage_still_delivers_and_exits_0(
+    tmp_path, rate
+):
+    """A sender's account rate that no limit can be built on falls back like a missing one
+    (each of these crashed the loop or the start), and a close() that raises after every send
+    was saved is logged: the exit is 0 and the engine is disposed (it was exit 1)."""
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    assert relay("migrate", "--database-url", url).returncode == 0
+    (tmp_path / "hostilesender.py").write_text(HOSTILE.replace("RATE", rate))
+    engine = sa.create_engine(url)
+    enable_savepoints(engine)
+    try:
+        ids = enqueue(engine, 3, prefix="acceptance")
+        done = relay(
+            "run",
+            "--database-url",
+            url,
+            "--sender",
+            "hostilesender:closing",
+            "--exit-when-idle",
+            "--poll-interval",
+            "0.1",
+            "--max-send-rate",
+            "auto",
+            timeout=60,
+            PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
+        )
+        assert done.returncode == 0, done.stderr
+        assert "--max-send-rate auto: the sender reports" in done.stderr
+        assert "the sender failed to close" in done.stderr
+        rows = message_rows(engine)
+        assert {i: (row.status, row.provider_message_id) for i, row in rows.items()} == {
+            i: ("sent", f"closing-{i}") for i in ids
+        }
+    finally:
+        engine.dispose()
+
+
+def test_a_sender_whose_close_raises_does_not_hide_a_start_up_error(tmp_path):
+    url = f"sqlite:///{tmp_path / 'never-migrated.db'}"
+    sa.create_engine(url).connect().close()
+    (tmp_path / "hostilesender.py").write_text(HOSTILE.replace("RATE", "None"))
+    done = relay(
+        "run",
+        "--database-url",
+        url,
+        "--sender",
+        "hostilesender:closing",
+        "--exit-when-idle",
+        timeout=30,
+        PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
+    )
+    assert "lacks the outbox tables" in refusal(done)
+
+
+def test_a_sender_whose_members_raise_is_refused_in_one_line(tmp_path):
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    assert relay("migrate", "--database-url", url).returncode == 0
+    (tmp_path / "hostilesender.py").write_text(HOSTILE.replace("RATE", "None"))
+    done = relay(
+        "run",
+        "--database-url",
+        url,
+        "--sender",
+        "hostilesender:unnamed",
+        "--exit-when-idle",
+        timeout=30,
+        PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
+    )
+    line = refusal(done)
+    assert "--sender" in line
+    assert "no name" in line

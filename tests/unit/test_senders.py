@@ -205,3 +205,14 @@ def test_a_relay_given_a_send_only_object_delivers_with_the_defaults(tmp_path, s
     run_until_idle(engine, given, max_send_rate="auto")
     assert sorted(given.sent) == sorted(ids)
     engine.dispose()
+
+
+@pytest.mark.parametrize("given", ["SSL", "StartTLS", "none"])
+def test_the_smtp_security_flag_takes_any_case_as_its_variable_does(given):
+    from relay import cli
+
+    (param,) = [p for p in cli.run.params if p.name == "smtp_security"]
+    assert param.type.convert(given, param, None) == given.lower()
+    assert SmtpSettings.from_env(
+        {"OUTBOX_SMTP_HOST": "h", "OUTBOX_SMTP_SECURITY": given}
+    ).security == (given.lower())
