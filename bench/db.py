@@ -3,6 +3,7 @@ and filled with due or finished rows by fast bulk SQL."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -14,7 +15,16 @@ from outbox.migrations import VERSION_TABLE, VIEWS, upgrade
 from outbox.schema import messages, metadata, utcnow
 from relay.db import make_engine
 
-__all__ = ["EMAIL", "ORDERS", "count", "fill", "prepare", "reset", "url_string"]
+__all__ = [
+    "EMAIL",
+    "ORDERS",
+    "base_payload",
+    "count",
+    "fill",
+    "prepare",
+    "reset",
+    "url_string",
+]
 
 EMAIL = Email(
     sender="shop@example.com",
@@ -119,6 +129,11 @@ def _base_row(status: str, age: timedelta) -> dict[str, Any]:
     )
     row["status"] = status
     return row
+
+
+def base_payload() -> bytes:
+    """The payload every benchmark row stores, as JSON bytes: what the peer's jobs carry."""
+    return json.dumps(_base_row("pending", timedelta(0))["payload"]).encode()
 
 
 def count(engine: sa.Engine, status: str | None = None) -> int:

@@ -1,6 +1,7 @@
 """Smoke test of the benchmark runner (``python -m bench``): it completes at a tiny scale,
-prints its table and writes JSON with a ratio per benchmark, for all five benchmarks. No
-speed is asserted here."""
+prints its table and writes JSON with a ratio per benchmark, for all five benchmarks, with
+the drain's database cost and CPU rows and, on PostgreSQL, the peer pgqueuer's. No speed is
+asserted here."""
 
 import json
 import os
@@ -47,11 +48,28 @@ def test_bench_runs_and_reports_a_ratio_per_benchmark(backend_name, request, tmp
         "drain x2 procs",
         "rate 500/s @50ms",
         "enqueue 1 email",
+        "enqueue 10 emails",
+        "enqueue 100 emails",
         "backlog claim",
     } <= benchmarks
     assert any(name.startswith("latency p99") for name in benchmarks)
+    peer = "pgqueuer" if backend_name == "postgresql" else "floor"
+    cost_rows = {f"statements/msg vs {peer}", f"CPU s/1k msgs vs {peer}"}
     if backend_name == "postgresql":
         assert "claim, dead tuples" in benchmarks
+        cost_rows |= {"drain vs pgqueuer b50", "WAL bytes/msg vs pgqueuer"}
+    else:
+        assert not any("pgqueuer" in name or "WAL" in name for name in benchmarks)
+    assert cost_rows <= benchmarks
+    for result in report["results"]:
+        if result["benchmark"] in cost_rows:
+            assert result["value"] > 0, result
+    drain_costs = next(r for r in report["results"] if r["benchmark"].startswith("statements/"))
+    for who in ("relay", "floor", *(["pgqueuer"] if backend_name == "postgresql" else [])):
+        measured = drain_costs["details"][who]
+        assert measured["statements_per_msg"] > 0
+        assert measured["cpu_seconds_per_1000"] > 0
+        assert (measured["wal_bytes_per_msg"] is not None) == (backend_name == "postgresql")
     for result in report["results"]:
         assert result["database"] == backend_name
         assert result["ratio"] > 0
