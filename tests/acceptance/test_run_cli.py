@@ -347,37 +347,29 @@ def test_a_sender_whose_close_raises_and_whose_rate_is_garbage_still_delivers_an
         engine.dispose()
 
 
-def test_a_sender_whose_close_raises_does_not_hide_a_start_up_error(tmp_path):
-    url = f"sqlite:///{tmp_path / 'never-migrated.db'}"
-    sa.create_engine(url).connect().close()
+def run_hostile(tmp_path: Path, url: str, factory: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "hostilesender.py").write_text(HOSTILE.replace("RATE", "None"))
-    done = relay(
+    return relay(
         "run",
         "--database-url",
         url,
         "--sender",
-        "hostilesender:closing",
+        f"hostilesender:{factory}",
         "--exit-when-idle",
         timeout=30,
         PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
     )
-    assert "lacks the outbox tables" in refusal(done)
+
+
+def test_a_sender_whose_close_raises_does_not_hide_a_start_up_error(tmp_path):
+    url = f"sqlite:///{tmp_path / 'never-migrated.db'}"
+    sa.create_engine(url).connect().close()
+    assert "lacks the outbox tables" in refusal(run_hostile(tmp_path, url, "closing"))
 
 
 def test_a_sender_whose_members_raise_is_refused_in_one_line(tmp_path):
     url = f"sqlite:///{tmp_path / 'outbox.db'}"
     assert relay("migrate", "--database-url", url).returncode == 0
-    (tmp_path / "hostilesender.py").write_text(HOSTILE.replace("RATE", "None"))
-    done = relay(
-        "run",
-        "--database-url",
-        url,
-        "--sender",
-        "hostilesender:unnamed",
-        "--exit-when-idle",
-        timeout=30,
-        PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
-    )
-    line = refusal(done)
+    line = refusal(run_hostile(tmp_path, url, "unnamed"))
     assert "--sender" in line
     assert "no name" in line
