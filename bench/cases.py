@@ -192,8 +192,17 @@ def _wal_bytes(engine: sa.Engine, start: str | None, cost: Cost) -> None:
 def _wal_bytes_between(engine: sa.Engine, start: str, end: str, cost: Cost) -> None:
     """Fill ``cost``'s WAL bytes between two positions: every WAL record touching a block of
     this database, plus the commit records of the transactions that did (pg_walinspect; the
-    server is shared, so the cluster-wide ``pg_wal_lsn_diff`` is kept only as a detail)."""
+    server is shared, so the cluster-wide ``pg_wal_lsn_diff`` is kept only as a detail).
+    pg_walinspect reads only flushed WAL: wait up to 10 s for the flush to pass ``end``."""
+    flushed = sa.text("SELECT pg_wal_lsn_diff(pg_current_wal_flush_lsn(), CAST(:e AS pg_lsn)) >= 0")
+    deadline = time.monotonic() + 10.0
     with engine.connect() as conn:
+        while not conn.execute(flushed, {"e": end}).scalar_one():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"WAL not flushed up to {end} within 10 s")
+            conn.rollback()
+            time.sleep(0.05)
+        conn.rollback()
         cost.wal_bytes_cluster = int(
             conn.execute(
                 sa.text("SELECT pg_wal_lsn_diff(CAST(:e AS pg_lsn), CAST(:s AS pg_lsn))"),
