@@ -569,7 +569,7 @@ def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
             ratio=cpu_ratio,
             target="< pgqueuer's" if pg else "(reported)",
             met=cpu_ratio < 1.0 if pg else None,
-            details={"relay": "in-process relay", "pgqueuer": "its own process"},
+            details={"relay": "in-process", **({"pgqueuer": "its own process"} if pg else {})},
         )
     )
     return results

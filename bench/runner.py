@@ -42,6 +42,8 @@ def machine() -> dict[str, Any]:
 def _fmt(value: float) -> str:
     if value >= 100:
         return f"{value:,.0f}"
+    if value < 1:  # per-message costs: statements, CPU seconds
+        return f"{value:.3g}"
     return f"{value:.2f}"
 
 
