@@ -475,6 +475,36 @@ _FINALIZE_SENT_EACH = (
 )
 
 
+@functools.lru_cache(maxsize=64)
+def _finalize_sent_by_case(size: int) -> sa.Update:
+    """MySQL/MariaDB: the guarded finalize of ``size`` rows as one UPDATE. Each row's own
+    token and provider id are picked by its id (``CASE id WHEN ...``), so every row keeps its
+    own id + claim token + status guard; the ids must be distinct."""
+    ids = [sa.bindparam(f"b_id{k}", type_=_m.c.id.type) for k in range(size)]
+
+    def by_id(name: str, column: sa.Column[Any]) -> sa.Case[Any]:
+        picks = [(ids[k], sa.bindparam(f"{name}{k}", type_=column.type)) for k in range(size)]
+        return sa.case(*picks, value=_m.c.id)
+
+    return (
+        sa.update(_m)
+        .where(
+            _m.c.id.in_(ids),
+            _m.c.claim_token == by_id("b_token", _m.c.claim_token),
+            _m.c.status == Status.PROCESSING.value,
+        )
+        .values(
+            **_attempted(_BATCH_NOW, None, None),
+            status=Status.SENT.value,
+            sent_at=_BATCH_NOW,
+            provider_message_id=by_id("b_provider_id", _m.c.provider_message_id),
+        )
+    )
+
+
+_CASE_ROWS = 64  # rows per statement of _finalize_sent_by_case (one plan per batch size)
+
+
 def finalize_sent_many(
     conn: sa.Connection, items: Sequence[tuple[int, str, str | None]], *, now: datetime
 ) -> set[tuple[int, str]]:
@@ -483,8 +513,10 @@ def finalize_sent_many(
     that moved to sent (an id can come twice: a swept row's late result beside its new one).
 
     PostgreSQL runs it as one ``UPDATE ... FROM unnest(...) RETURNING`` (one statement, one
-    plan, whatever the batch size); elsewhere it is one executemany of the guarded UPDATE, or
-    one statement per row when an id repeats."""
+    plan, whatever the batch size); MySQL/MariaDB as one UPDATE per ``_CASE_ROWS`` rows that
+    picks each row's token and provider id by its id (the driver's executemany would send
+    one UPDATE per row); SQLite as an executemany of the guarded UPDATE. When an id repeats,
+    one statement per row."""
     if not items:
         return set()
     if conn.dialect.name == "postgresql":
@@ -498,7 +530,17 @@ def finalize_sent_many(
             for (i, t, _p), row in zip(items, rows, strict=True)
             if conn.execute(_FINALIZE_SENT_EACH, row).rowcount == 1
         }
-    if conn.execute(_FINALIZE_SENT_EACH, rows).rowcount == len(items):
+    if conn.dialect.name in ("mysql", "mariadb"):
+        matched = 0
+        for start in range(0, len(items), _CASE_ROWS):
+            chunk = items[start : start + _CASE_ROWS]
+            picks: dict[str, Any] = {"b_now": now}
+            for k, (i, t, p) in enumerate(chunk):
+                picks.update({f"b_id{k}": i, f"b_token{k}": t, f"b_provider_id{k}": p})
+            matched += conn.execute(_finalize_sent_by_case(len(chunk)), picks).rowcount
+    else:
+        matched = conn.execute(_FINALIZE_SENT_EACH, rows).rowcount
+    if matched == len(items):
         return {(i, t) for i, t, _p in items}
     # Some guard failed (a stale claim): find which rows this statement moved.
     wanted = {i: (t, p) for i, t, p in items}
