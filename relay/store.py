@@ -342,20 +342,29 @@ def _stamp_wave(
     returns the ids it set. MySQL reports matched rows, so only a short count needs a read."""
     if not ids:
         return set()
-    stamp, read = _stamp_statements(column.name)
+    stamp, read = _stamp_statements(column.name, conn.dialect.name == "postgresql")
     params = {"w_ids": list(ids), "w_token": claim_token, "w_value": value}
     if conn.execute(stamp, params).rowcount == len(ids):
         return set(ids)
     return set(conn.execute(read, params).scalars())
 
 
+def _id_among(name: str, pg: bool) -> sa.ColumnElement[bool]:
+    """``id`` is one of the list bound as ``name``. PostgreSQL takes the list as one array
+    (``= ANY``), so the statement's text, and psycopg's prepared statement, is the same
+    whatever the list's length; elsewhere an expanding IN."""
+    if pg:
+        return _m.c.id == sa.any_(sa.bindparam(name, type_=postgresql.ARRAY(sa.BigInteger)))
+    return _m.c.id.in_(sa.bindparam(name, expanding=True))
+
+
 @functools.cache
-def _stamp_statements(column_name: str) -> tuple[sa.Update, sa.Select[Any]]:
-    """_stamp_wave's UPDATE and its read-back, built once per column."""
+def _stamp_statements(column_name: str, pg: bool) -> tuple[sa.Update, sa.Select[Any]]:
+    """_stamp_wave's UPDATE and its read-back, built once per column and dialect kind."""
     column = _m.c[column_name]
     value = sa.bindparam("w_value", type_=UTCDateTime())
     guard = sa.and_(
-        _m.c.id.in_(sa.bindparam("w_ids", expanding=True)),
+        _id_among("w_ids", pg),
         _m.c.claim_token == sa.bindparam("w_token", type_=_m.c.claim_token.type),
         _m.c.status == Status.PROCESSING.value,
     )
