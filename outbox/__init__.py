@@ -5,6 +5,7 @@ from outbox.enqueue import NOTIFY_CHANNEL, EnqueueResult
 from outbox.exceptions import (
     ConfigurationError,
     EnqueueError,
+    EnqueueNotWritten,
     HeaderInjection,
     InvalidAddress,
     InvalidArgument,
@@ -28,6 +29,7 @@ __all__ = [
     "ConfigurationError",
     "Email",
     "EnqueueError",
+    "EnqueueNotWritten",
     "EnqueueResult",
     "HeaderInjection",
     "InvalidAddress",

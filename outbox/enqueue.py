@@ -1,28 +1,34 @@
-"""The savepoint-guarded insert of one outbox row on the caller's connection.
+"""The savepoint-guarded insert of outbox rows on the caller's connection.
 
-The insert runs inside a SAVEPOINT on the connection the caller's transaction already uses. A
-duplicate idempotency key never aborts the caller's transaction: it is reported as
-``duplicate=True`` with the existing row's id. Any other error rolls back only the savepoint and
-propagates as itself. The savepoint is opened on the Core connection, not through
+Every row a session has buffered is written at its flush, in one batch under one SAVEPOINT on
+the connection the caller's transaction already uses. A duplicate idempotency key never aborts
+the caller's transaction: it is reported as ``duplicate=True`` with the existing row's id. Any
+other error rolls back only the savepoint (none of the batch is written) and propagates as
+itself. The savepoint is opened on the Core connection, not through
 ``Session.begin_nested()``, because it must also work inside flush events (declarative rules),
 where a session-level savepoint does not protect the rows.
 
-On PostgreSQL the insert is ``INSERT ... ON CONFLICT (idempotency_key) DO NOTHING`` and also
-calls ``pg_notify`` on :data:`NOTIFY_CHANNEL` in the same statement. PostgreSQL delivers a
+On PostgreSQL the batch is one statement whatever its size: ``INSERT ... SELECT`` from
+``json_to_recordset`` of a single JSON parameter (so the statement text, and the server's plan
+for it, is the same for one row or a thousand), ``ON CONFLICT (idempotency_key) DO NOTHING``,
+which also calls ``pg_notify`` on :data:`NOTIFY_CHANNEL`; the keys it skipped are read back in
+the caller's transaction. PostgreSQL delivers a
 notification only when the transaction commits, and folds identical notifications of one
 transaction into one: a transaction that enqueues a thousand emails wakes the relay once, and a
 rolled-back one never. At REPEATABLE READ and SERIALIZABLE, a key committed by another
 transaction after the caller's snapshot was taken is invisible to the caller, and PostgreSQL
 answers the conflict with a serialization failure (40001) instead of doing nothing. That failure
-is rolled back with the savepoint, and the winner's id is read on a second, short-lived
-connection from the same engine, which sees committed rows; only if no such row exists there
-does the failure propagate.
+is rolled back with the savepoint, and the winners' ids are read on a second, short-lived
+connection from the same engine, which sees committed rows; the rest of the batch is inserted
+again, and only if none of its keys exists there does the failure propagate.
 
 On MySQL/MariaDB, two inserts waiting on the same key held by a third transaction deadlock when
 that transaction rolls back: each waiter inherits a gap lock on the rolled-back key, then each
 waits for the other's gap to insert, and InnoDB rolls back one caller's whole transaction.
-``INSERT ... ON DUPLICATE KEY UPDATE`` and a locking read first deadlock the same way. So an
-enqueue takes a named lock for its key (``GET_LOCK``) around the insert statement: at most one
+``INSERT ... ON DUPLICATE KEY UPDATE`` and a locking read first deadlock the same way. So each
+row of a batch is inserted by its own statement under a named lock for its key (``GET_LOCK``),
+one key at a time, and the batch shares one savepoint (InnoDB rolls back a duplicate-key
+statement alone, so a duplicate needs no savepoint of its own): at most one
 enqueue waits on a key's row lock at a time, and the others queue on the named lock, outside
 InnoDB. A transaction never takes the named lock for a key it inserted itself (its insert does
 not wait), so it cannot queue behind a waiter that waits for it. When InnoDB does roll back the
@@ -33,56 +39,95 @@ from rolling back the savepoint.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
+import logging
 import uuid
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from outbox.category import Category
-from outbox.exceptions import InvalidArgument, InvalidKey, MessageTooLarge
+from outbox.exceptions import EnqueueNotWritten, InvalidArgument, InvalidKey, MessageTooLarge
 from outbox.message import Email
 from outbox.schema import Status, messages
 
 __all__ = [
     "MAX_KEY_LENGTH",
     "NOTIFY_CHANNEL",
+    "PACKET_CHECK_FROM",
     "EnqueueResult",
     "build_row",
     "check_key",
+    "check_packet_size",
     "insert_message",
+    "insert_messages",
     "new_key",
 ]
 
 NOTIFY_CHANNEL = "outbox_wakeup"
 MAX_KEY_LENGTH = 255
+# Messages this large (rendered) are checked against MySQL's max_allowed_packet.
+PACKET_CHECK_FROM = 1_000_000
 _PRIORITY_RANGE = range(-32768, 32768)
+_T = TypeVar("_T")
 
-_ROW_COLUMNS = (
-    "idempotency_key", "category", "priority", "status", "payload", "recipients",
-    "recipient_count", "subject", "attempt_count", "max_attempts", "backoff_base",
-    "backoff_cap", "ambiguity_policy", "next_attempt_at", "expires_at", "created_at",
-    "updated_at",
-)  # fmt: skip
+_ROW_TYPES: dict[str, Any] = {
+    "idempotency_key": sa.Text(),
+    "category": sa.Text(),
+    "priority": sa.SmallInteger(),
+    "status": sa.Text(),
+    "payload": postgresql.JSON(),
+    "recipients": sa.Text(),
+    "recipient_count": sa.SmallInteger(),
+    "subject": sa.Text(),
+    "attempt_count": sa.Integer(),
+    "max_attempts": sa.Integer(),
+    "backoff_base": sa.Double(),
+    "backoff_cap": sa.Double(),
+    "ambiguity_policy": sa.Text(),
+    "next_attempt_at": postgresql.TIMESTAMP(timezone=True),
+    "expires_at": postgresql.TIMESTAMP(timezone=True),
+    "created_at": postgresql.TIMESTAMP(timezone=True),
+    "updated_at": postgresql.TIMESTAMP(timezone=True),
+}
+_ROW_COLUMNS = tuple(_ROW_TYPES)
+_KEY = messages.c.idempotency_key
+
 _values: dict[str, Any] = {name: sa.bindparam(name) for name in _ROW_COLUMNS}
 _insert = sa.insert(messages).values(_values)
-_ins_cte = (
+_insert_returning = (
+    sqlite.insert(messages)
+    .on_conflict_do_nothing(index_elements=[_KEY])
+    .returning(messages.c.id, _KEY)
+)
+_recordset = (
+    sa.func.json_to_recordset(sa.cast(sa.bindparam("rows", type_=sa.Text()), postgresql.JSON()))
+    .table_valued(*(sa.column(name, type_) for name, type_ in _ROW_TYPES.items()))
+    .render_derived(name="r", with_types=True)
+)
+_batch_cte = (
     postgresql.insert(messages)
-    .values(_values)
-    .on_conflict_do_nothing(index_elements=[messages.c.idempotency_key])
-    .returning(messages.c.id)
+    .from_select(list(_ROW_COLUMNS), sa.select(*(_recordset.c[name] for name in _ROW_COLUMNS)))
+    .on_conflict_do_nothing(index_elements=[_KEY])
+    .returning(messages.c.id, _KEY)
     .cte("ins")
 )
-_insert_and_notify = sa.select(_ins_cte.c.id, sa.func.pg_notify(NOTIFY_CHANNEL, ""))
+_insert_batch_and_notify = sa.select(
+    _batch_cte.c.id, _batch_cte.c.idempotency_key, sa.func.pg_notify(NOTIFY_CHANNEL, "")
+)
 _existing = sa.select(messages.c.id).where(messages.c.idempotency_key == sa.bindparam("key"))
 _existing_locking = _existing.with_for_update(read=True)
+_existing_many = sa.select(messages.c.id, _KEY).where(
+    messages.c.idempotency_key.in_(sa.bindparam("keys", expanding=True))
+)
 # Waits at most as long as the holder may wait on the key's row lock; 0 (timed out) or NULL
 # (killed) means the insert goes ahead without it.
 _get_lock = sa.text("SELECT GET_LOCK(:name, @@innodb_lock_wait_timeout)")
@@ -91,20 +136,87 @@ _release_lock = sa.text("SELECT RELEASE_LOCK(:name)")
 _SERIALIZATION_FAILURE = "40001"
 # Pools that hand out one shared DBAPI connection: a "second" connection would be the caller's.
 _SHARED_CONNECTION_POOLS = (sa.pool.StaticPool, sa.pool.SingletonThreadPool, sa.pool.AssertionPool)
+_LOOKUP_CHUNK = 500
+
+_engine_log = logging.getLogger("sqlalchemy.engine")
+
+
+@functools.cache
+def _PIPELINE_SUPPORTED() -> bool:
+    try:
+        import psycopg
+    except ImportError:
+        return False
+    return bool(psycopg.Pipeline.is_supported())
+
 
 _max_packet: weakref.WeakKeyDictionary[sa.Engine, int] = weakref.WeakKeyDictionary()
 # Keys each open transaction inserted on MySQL/MariaDB; entries go with their transaction.
 _inserted: weakref.WeakKeyDictionary[sa.RootTransaction, set[str]] = weakref.WeakKeyDictionary()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
 class EnqueueResult:
-    """What ``enqueue`` did: ``duplicate`` is True when the key existed and nothing was written
-    (``id`` is then the existing row's)."""
+    """What ``enqueue`` did, for the email with idempotency ``key``.
 
-    id: int
-    key: str
-    duplicate: bool
+    The row is written at the session's next flush (an explicit ``flush()``, an autoflush, a
+    ``begin_nested()``, the commit); ``id`` and ``duplicate`` are known from then on. Reading
+    either before that flushes the session, as reading a new ORM object's primary key does
+    (with an ``AsyncSession``, ``await session.flush()`` first). ``duplicate`` is True when the
+    key existed and nothing was written; ``id`` is then the existing row's. If the row is never
+    written (its transaction rolled back first, or the write failed), reading them raises
+    :class:`~outbox.exceptions.EnqueueNotWritten`.
+    """
+
+    __slots__ = ("_duplicate", "_failure", "_id", "_resolve", "key")
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        id: int | None = None,
+        duplicate: bool = False,
+        resolve: Callable[[EnqueueResult], None] | None = None,
+    ) -> None:
+        self.key = key
+        self._id = id
+        self._duplicate = duplicate
+        self._resolve = None if id is not None else resolve
+        self._failure: str | None = None
+
+    @property
+    def id(self) -> int:
+        return self._written()[0]
+
+    @property
+    def duplicate(self) -> bool:
+        return self._written()[1]
+
+    @property
+    def written(self) -> bool:
+        """Whether the row is written (or found as a duplicate); reading this never flushes."""
+        return self._id is not None
+
+    def settle(self, id: int, duplicate: bool) -> None:
+        """Record what the write did (called by the session's flush)."""
+        self._id, self._duplicate, self._resolve = id, duplicate, None
+
+    def fail(self, reason: str) -> None:
+        """Record that the row will never be written, and why."""
+        if self._id is None:
+            self._failure, self._resolve = reason, None
+
+    def _written(self) -> tuple[int, bool]:
+        if self._id is None and self._resolve is not None:
+            self._resolve(self)
+        if self._id is None:
+            raise EnqueueNotWritten(self.key, self._failure or "it was never written")
+        return self._id, self._duplicate
+
+    def __repr__(self) -> str:
+        if self._id is None:
+            state = f"not written: {self._failure}" if self._failure else "pending"
+            return f"EnqueueResult(key={self.key!r}, {state})"
+        return f"EnqueueResult(key={self.key!r}, id={self._id}, duplicate={self._duplicate})"
 
 
 def new_key() -> str:
@@ -167,41 +279,80 @@ def build_row(
     }
 
 
-def insert_message(conn: sa.Connection, row: dict[str, Any], email: Email) -> tuple[int, bool]:
-    """Insert ``row`` under a savepoint on ``conn``; return (id, duplicate).
+def insert_messages(
+    conn: sa.Connection, rows: Sequence[dict[str, Any]], emails: Sequence[Email]
+) -> list[tuple[int, bool]]:
+    """Insert ``rows`` (distinct keys) under one savepoint on ``conn``; return (id, duplicate)
+    for each, in order.
 
     Must be called with ``conn`` inside the caller's transaction. Only a duplicate key is
-    swallowed; any other error rolls back the savepoint and propagates.
+    swallowed; any other error rolls back the savepoint, so none of ``rows`` is written, and
+    propagates.
     """
+    if not rows:
+        return []
     dialect = conn.dialect.name
     if dialect == "postgresql":
-        return _insert_postgresql(conn, row)
+        return _insert_postgresql(conn, rows)
     if dialect in ("mysql", "mariadb"):
-        _check_packet_size(conn, email, row)
-        return _insert_mysql(conn, row)
-    return _insert_plain(conn, row, _existing)
+        for row, email in zip(rows, emails, strict=True):
+            check_packet_size(conn, email, row)
+        return _under_savepoint(conn, lambda: [_insert_mysql(conn, row) for row in rows])
+    if dialect == "sqlite" and conn.dialect.insert_returning:
+        return _under_savepoint(conn, lambda: _insert_sqlite(conn, rows))
+    return _under_savepoint(conn, lambda: [_insert_plain(conn, row, _existing) for row in rows])
+
+
+def insert_message(conn: sa.Connection, row: dict[str, Any], email: Email) -> tuple[int, bool]:
+    """:func:`insert_messages` for one row."""
+    return insert_messages(conn, [row], [email])[0]
+
+
+def _under_savepoint(conn: sa.Connection, work: Callable[[], _T]) -> _T:
+    savepoint = conn.begin_nested()
+    try:
+        result = work()
+    except BaseException:
+        _rolled_back(savepoint)
+        raise
+    savepoint.commit()
+    return result
 
 
 def _insert_plain(
     conn: sa.Connection, row: dict[str, Any], lookup: sa.Select[Any]
 ) -> tuple[int, bool]:
-    """A plain INSERT; on an integrity error, ``lookup`` finds the existing row's id."""
-    savepoint = conn.begin_nested()
+    """A plain INSERT of one row inside the batch's savepoint. A duplicate key fails this
+    statement alone (SQLite and InnoDB roll back only the statement); ``lookup`` then finds
+    the existing row's id."""
     try:
         inserted = conn.execute(_insert, row).inserted_primary_key
     except IntegrityError:
-        if not _rolled_back(savepoint):
-            raise
         existing = conn.execute(lookup, {"key": row["idempotency_key"]}).scalar()
         if existing is None:
             raise
         return int(existing), True
-    except BaseException:
-        _rolled_back(savepoint)
-        raise
-    savepoint.commit()
     assert inserted is not None
     return int(inserted[0]), False
+
+
+def _insert_sqlite(conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> list[tuple[int, bool]]:
+    """One multi-row INSERT ... ON CONFLICT DO NOTHING RETURNING; the keys it skipped are read
+    back (SQLite has one writer: nothing removes them in between)."""
+    found = {key: (int(id_), False) for id_, key in conn.execute(_insert_returning, list(rows))}
+    skipped = [row["idempotency_key"] for row in rows if row["idempotency_key"] not in found]
+    found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
+    return [found[row["idempotency_key"]] for row in rows]
+
+
+def _existing_ids(conn: sa.Connection, keys: Iterable[str]) -> dict[str, int]:
+    """The ids of the rows with ``keys`` that ``conn`` can see."""
+    keys = list(keys)
+    ids: dict[str, int] = {}
+    for start in range(0, len(keys), _LOOKUP_CHUNK):
+        chunk = keys[start : start + _LOOKUP_CHUNK]
+        ids.update((key, int(id_)) for id_, key in conn.execute(_existing_many, {"keys": chunk}))
+    return ids
 
 
 def _insert_mysql(conn: sa.Connection, row: dict[str, Any]) -> tuple[int, bool]:
@@ -239,37 +390,154 @@ def _insert_mysql(conn: sa.Connection, row: dict[str, Any]) -> tuple[int, bool]:
     return new_id, duplicate
 
 
-def _insert_postgresql(conn: sa.Connection, row: dict[str, Any]) -> tuple[int, bool]:
-    """ON CONFLICT DO NOTHING and notify; a conflict is looked up in the caller's transaction,
-    or, when its snapshot cannot see the winner, on a second connection."""
-    key = row["idempotency_key"]
-    for _ in range(2):
+def _insert_postgresql(
+    conn: sa.Connection, rows: Sequence[dict[str, Any]]
+) -> list[tuple[int, bool]]:
+    """The whole batch in one INSERT ... ON CONFLICT DO NOTHING that notifies; the keys it
+    skipped are read in the caller's transaction, or, when its snapshot cannot see the
+    winners, on a second connection.
+
+    The first attempt's savepoint stays open until the batch is done, so an error in a later
+    attempt (after a conflicting row was pruned between the insert and the lookup) rolls back
+    the whole batch, not only that attempt.
+    """
+    found: dict[str, tuple[int, bool]] = {}
+    todo = list(rows)
+    if _pipelined(conn):
+        done = _insert_pipelined(conn, todo)
+        if done is not None:
+            found.update((key, (id_, False)) for id_, key in done)
+            skipped = [
+                row["idempotency_key"] for row in todo if row["idempotency_key"] not in found
+            ]
+            found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
+            todo = [row for row in todo if row["idempotency_key"] not in found]
+            if not todo:
+                return [found[row["idempotency_key"]] for row in rows]
+            # a key skipped whose row is gone (pruned in between): the general path below
+    outer: sa.NestedTransaction | None = None
+    for _ in range(len(rows) + 2):
+        if not todo:
+            break
         savepoint = conn.begin_nested()
         try:
-            new_id = conn.execute(_insert_and_notify, row).scalar()
+            inserted = conn.execute(_insert_batch_and_notify, {"rows": _as_json(todo)}).all()
         except DBAPIError as error:
             if not _rolled_back(savepoint) or _sqlstate(error) != _SERIALIZATION_FAILURE:
+                _roll_back_outer(outer)
                 raise
-            committed = _committed_id(conn, key)
-            if committed is None:
+            committed = _committed_ids(conn, [row["idempotency_key"] for row in todo])
+            if not committed:
+                _roll_back_outer(outer)
                 raise
-            return committed, True
+            found.update((key, (id_, True)) for key, id_ in committed.items())
+            todo = [row for row in todo if row["idempotency_key"] not in found]
+            continue
         except BaseException:
             _rolled_back(savepoint)
+            _roll_back_outer(outer)
             raise
-        savepoint.commit()
-        if new_id is not None:
-            return int(new_id), False
-        existing = conn.execute(_existing, {"key": key}).scalar()
-        if existing is not None:
-            return int(existing), True
-        # The conflicting row was deleted (pruned) between the two statements: insert again.
-    raise RuntimeError(f"idempotency key {key!r} conflicted twice with a row that was not found")
+        if outer is None:
+            outer = savepoint
+        else:
+            savepoint.commit()
+        found.update((key, (int(id_), False)) for id_, key, _ in inserted)
+        skipped = [row["idempotency_key"] for row in todo if row["idempotency_key"] not in found]
+        if skipped:
+            found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
+        # A key still missing conflicted with a row deleted (pruned) between the two
+        # statements: insert it again.
+        todo = [row for row in todo if row["idempotency_key"] not in found]
+    if todo:
+        _roll_back_outer(outer)
+        raise RuntimeError(
+            f"idempotency key {todo[0]['idempotency_key']!r} conflicted again and again "
+            "with a row that was not found"
+        )
+    if outer is not None:
+        outer.commit()
+    return [found[row["idempotency_key"]] for row in rows]
 
 
-def _committed_id(conn: sa.Connection, key: str) -> int | None:
-    """The id of the committed row with ``key``, read outside the caller's snapshot on a
-    short-lived connection of the same engine; None if it cannot be read there."""
+_SAVEPOINT = "outbox_batch"
+_pipeline_sql: weakref.WeakKeyDictionary[sa.Dialect, dict[Any, tuple[str, dict[str, Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _pipelined(conn: sa.Connection) -> bool:
+    """Whether the batch may go as one pipeline of SAVEPOINT, INSERT and RELEASE (one round trip
+    instead of three): psycopg 3 in sync mode with a libpq that pipelines, and nobody watching
+    the connection's statements (cursor-execute listeners, such as tracing, or echo) that
+    would miss statements sent past SQLAlchemy."""
+    dialect = conn.dialect
+    if dialect.driver != "psycopg" or dialect.is_async or not _PIPELINE_SUPPORTED():
+        return False
+    dispatch = conn.dispatch
+    if dispatch.before_cursor_execute or dispatch.after_cursor_execute:
+        return False
+    return not (conn.engine.echo or _engine_log.isEnabledFor(logging.INFO))
+
+
+def _insert_pipelined(conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> list[Any] | None:
+    """Send SAVEPOINT, the batch INSERT and RELEASE in one pipeline on the psycopg connection
+    under ``conn``; return the (id, key) of the inserted rows. On any error, roll back to the
+    savepoint and return None: the caller then runs the batch the ordinary way, through
+    SQLAlchemy, which raises (and handles: disconnects, serialization failures) the error as
+    it does for any statement."""
+    sql, params = _pipeline_statement(conn)
+    raw: Any = conn.connection.driver_connection
+    params = {**params, "rows": _as_json(rows)}
+    try:
+        with raw.pipeline():
+            raw.execute(f"SAVEPOINT {_SAVEPOINT}")
+            cursor = raw.execute(sql, params)
+            raw.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+        return [(int(row[0]), row[1]) for row in cursor.fetchall()]
+    except Exception:
+        with contextlib.suppress(Exception):
+            raw.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
+            raw.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+        return None
+
+
+def _pipeline_statement(conn: sa.Connection) -> tuple[str, dict[str, Any]]:
+    """The batch statement as psycopg SQL for ``conn``'s dialect and schema translation."""
+    schema_map = conn.get_execution_options().get("schema_translate_map")
+    cache_key = None if not schema_map else tuple(sorted(schema_map.items(), key=repr))
+    by_map = _pipeline_sql.setdefault(conn.dialect, {})
+    statement = by_map.get(cache_key)
+    if statement is None:
+        compiled = _insert_batch_and_notify.compile(
+            dialect=conn.dialect,
+            schema_translate_map=schema_map or None,
+            render_schema_translate=bool(schema_map),
+        )
+        params = dict(compiled.construct_params({"rows": ""}))
+        statement = by_map[cache_key] = (str(compiled), params)
+    return statement
+
+
+def _roll_back_outer(outer: sa.NestedTransaction | None) -> None:
+    if outer is not None:
+        _rolled_back(outer)
+
+
+def _as_json(rows: Sequence[dict[str, Any]]) -> str:
+    """The batch as the JSON array ``json_to_recordset`` reads: timestamps in ISO 8601 with
+    their UTC offset."""
+    return json.dumps(rows, separators=(",", ":"), default=_iso)
+
+
+def _iso(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat()
+    raise TypeError(f"{type(value).__name__} is not a column value")
+
+
+def _committed_ids(conn: sa.Connection, keys: list[str]) -> dict[str, int] | None:
+    """The ids of the committed rows with ``keys``, read outside the caller's snapshot on a
+    short-lived connection of the same engine; None if they cannot be read there."""
     engine = conn.engine
     if isinstance(engine.pool, _SHARED_CONNECTION_POOLS):
         return None
@@ -279,12 +547,11 @@ def _committed_id(conn: sa.Connection, key: str) -> int | None:
             try:
                 if schema_map is not None:
                     other = other.execution_options(schema_translate_map=schema_map)
-                existing = other.execute(_existing, {"key": key}).scalar()
+                return _existing_ids(other, keys)
             finally:
                 other.invalidate()  # closed for good: no idle connection outlives the lookup
     except SQLAlchemyError:
         return None
-    return None if existing is None else int(existing)
 
 
 _side_engines: weakref.WeakKeyDictionary[sa.Engine, sa.Engine] = weakref.WeakKeyDictionary()
@@ -321,10 +588,10 @@ def _sqlstate(error: DBAPIError) -> str | None:
     return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
 
 
-def _check_packet_size(conn: sa.Connection, email: Email, row: dict[str, Any]) -> None:
+def check_packet_size(conn: sa.Connection, email: Email, row: dict[str, Any]) -> None:
     """MySQL/MariaDB refuse (and drop the connection on) a statement larger than
     ``max_allowed_packet``; refuse such a message up front instead."""
-    if email.rendered_size() < 1_000_000:
+    if email.rendered_size() < PACKET_CHECK_FROM:
         return
     engine = conn.engine
     limit = _max_packet.get(engine)

@@ -1,9 +1,22 @@
 """The app-side entry point: :class:`Outbox` enqueues email in the caller's session transaction
-and runs declarative rules from SQLAlchemy session events."""
+and runs declarative rules from SQLAlchemy session events.
+
+``enqueue`` touches no database: it validates the email, builds its row and buffers it in the
+session. The session's next flush writes every buffered row in one batch (one statement on
+PostgreSQL and SQLite) under one savepoint. While rows are buffered, a placeholder object sits
+in the session's new objects, so the session is never "clean" and every flush runs: an explicit
+``flush()``, an autoflush before a query, the flush ``begin_nested()`` does before its
+SAVEPOINT, and the commit's. The placeholder is also how a rollback drops the buffer: the
+session expunges the new objects of a rolled-back transaction or savepoint, the placeholder
+with them, and rows buffered there are never written. A flush event listener on every
+``Session`` (installed when this module is imported) takes the placeholder out before the ORM
+sees it and writes its rows. Rules write their rows at the end of the flush that made them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -11,13 +24,25 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
-from sqlalchemy.orm import Session, UOWTransaction, scoped_session, sessionmaker
+from sqlalchemy.orm import Session, UOWTransaction, registry, scoped_session, sessionmaker
 from sqlalchemy.util.concurrency import in_greenlet
 
 from outbox import signals
 from outbox.category import DEFAULT_CATEGORIES, Category
-from outbox.enqueue import EnqueueResult, build_row, check_key, insert_message
-from outbox.exceptions import ConfigurationError, UnknownCategory
+from outbox.enqueue import (
+    PACKET_CHECK_FROM,
+    EnqueueResult,
+    build_row,
+    check_key,
+    check_packet_size,
+    insert_messages,
+)
+from outbox.exceptions import (
+    ConfigurationError,
+    EnqueueNotWritten,
+    InvalidArgument,
+    UnknownCategory,
+)
 from outbox.message import Email
 from outbox.schema import messages, utcnow
 
@@ -28,6 +53,160 @@ _RuleFunction = Callable[[Any], Email | None]
 _SessionTarget = sessionmaker[Any] | async_sessionmaker[Any] | type[Session] | type[AsyncSession]
 
 _BIND_ARGS = {"clause": messages}
+_PENDING = "outbox.pending"  # the session.info entry of the placeholder in the session
+
+
+@dataclass(kw_only=True, slots=True)
+class _Entry:
+    """One enqueued email on its way to the database."""
+
+    outbox: Outbox
+    row: dict[str, Any]
+    email: Email
+    category: Category
+    result: EnqueueResult
+    same_as: EnqueueResult | None = None  # an earlier entry of the same batch with this key
+
+
+class _Pending:
+    """The placeholder for a session's buffered rows (see the module's docstring). It is mapped
+    to a table that does not exist, so if it ever reached the ORM's own flush, that flush would
+    fail loudly instead of writing anything."""
+
+    entries: list[_Entry]
+    by_key: dict[str, EnqueueResult]
+
+
+_placeholders = registry()
+_placeholders.map_imperatively(
+    _Pending,
+    sa.Table(
+        "outbox_pending_placeholder",
+        _placeholders.metadata,
+        sa.Column("id", sa.Integer, primary_key=True),
+    ),
+)
+
+
+def _buffered(session: Session) -> _Pending | None:
+    """The placeholder of ``session``'s current buffer, if it is still pending there."""
+    pending: _Pending | None = session.info.get(_PENDING)
+    if pending is None:
+        return None
+    state = sa.inspect(pending)
+    if state.pending and state.session is session:
+        return pending
+    return None
+
+
+def _write_buffered(session: Session, flush_context: UOWTransaction, instances: object) -> None:
+    """``before_flush`` of every Session: write the buffered rows, take the placeholder out."""
+    pending = _buffered(session)
+    if pending is None:
+        return
+    del session.info[_PENDING]
+    session.expunge(pending)
+    _write(session, pending.entries)
+
+
+event.listen(Session, "before_flush", _write_buffered)
+
+
+def _write(session: Session, entries: list[_Entry]) -> None:
+    """Write ``entries`` in one batch on the session's connection and settle their results;
+    on any error none is written, each result says why, and the error propagates."""
+    fresh = [entry for entry in entries if entry.same_as is None]
+    try:
+        conn = session.connection(bind_arguments=_BIND_ARGS)
+        written = insert_messages(conn, [e.row for e in fresh], [e.email for e in fresh])
+    except BaseException as exc:
+        for entry in entries:
+            entry.result.fail(f"its write failed: {type(exc).__name__}: {exc}")
+        raise
+    for entry, (new_id, duplicate) in zip(fresh, written, strict=True):
+        entry.result.settle(new_id, duplicate)
+    for entry in entries:
+        if entry.same_as is not None:
+            entry.result.settle(entry.same_as.id, True)
+        result = entry.result
+        signal = signals.duplicate_skipped if result.duplicate else signals.enqueued
+        signal.send(entry.outbox, result=result, category=entry.category.name)
+
+
+def _resolve(result: EnqueueResult, owner: weakref.ref[Session]) -> None:
+    """Reading a pending result's id: flush its session, as the ORM does for a primary key."""
+    session = owner()
+    if session is None:
+        result.fail("its session was discarded before it flushed")
+        return
+    if _on_async_driver(session) and not in_greenlet():
+        raise EnqueueNotWritten(
+            result.key,
+            "the AsyncSession has not flushed yet; `await session.flush()` (or the commit) "
+            "writes it",
+        )
+    if _buffered(session) is not None:
+        session.flush()
+    if not result.written:
+        result.fail("the transaction or savepoint it was enqueued in was rolled back first")
+
+
+def _plain(session: Session | scoped_session[Any]) -> Session:
+    if isinstance(session, scoped_session):
+        plain: Session = session()
+        return plain
+    return session
+
+
+def _plain_async(session: AsyncSession | async_scoped_session[Any]) -> Session:
+    plain: AsyncSession = session() if isinstance(session, async_scoped_session) else session
+    return plain.sync_session
+
+
+def _buffer(session: Session, entries: list[_Entry]) -> None:
+    """Buffer ``entries`` in ``session`` until its next flush; inside a flush (a flush event,
+    a rule) write them at once."""
+    if _on_mysql(session) and any(e.email.rendered_size() >= PACKET_CHECK_FROM for e in entries):
+        _check_packets(session, entries)
+    if session._flushing:
+        _write(session, _deduplicated(entries, {}))
+        return
+    pending = _buffered(session)
+    if pending is None:
+        pending = _Pending()
+        pending.entries = []
+        pending.by_key = {}
+        session.add(pending)
+        session.info[_PENDING] = pending
+    pending.entries.extend(_deduplicated(entries, pending.by_key))
+
+
+def _deduplicated(entries: list[_Entry], by_key: dict[str, EnqueueResult]) -> list[_Entry]:
+    """Mark each entry whose key an earlier entry of the same batch has: it is that one's
+    duplicate, and is not written itself."""
+    for entry in entries:
+        first = by_key.setdefault(entry.result.key, entry.result)
+        if first is not entry.result:
+            entry.same_as = first
+    return entries
+
+
+def _on_mysql(session: Session) -> bool:
+    """Whether the outbox table's bind is MySQL/MariaDB on a sync driver, where a big message
+    is checked against ``max_allowed_packet`` at enqueue (elsewhere, or with an async driver,
+    at the write)."""
+    try:
+        dialect = session.get_bind(clause=messages).dialect
+    except sa.exc.UnboundExecutionError:
+        return False
+    return dialect.name in ("mysql", "mariadb") and not dialect.is_async
+
+
+def _check_packets(session: Session, entries: list[_Entry]) -> None:
+    """Refuse a message too big for the server at enqueue, not at the commit."""
+    conn = session.connection(bind_arguments=_BIND_ARGS)
+    for entry in entries:
+        check_packet_size(conn, entry.email, entry.row)
 
 
 def _check_sync_session(session: object) -> None:
@@ -140,19 +319,42 @@ class Outbox:
     ) -> EnqueueResult:
         """Write ``email`` as an outbox row in ``session``'s current transaction.
 
-        It commits or rolls back with the caller's changes. Repeating a ``key`` is harmless:
-        nothing is written, ``duplicate`` is True and ``id`` is the existing row's, and the
-        caller's transaction stays usable. Lower ``priority`` sends first. Bad input raises an
-        :class:`~outbox.exceptions.EnqueueError` before anything touches the database.
+        The row is buffered in the session and written at its next flush (at the latest, the
+        commit), with every other row buffered there, in one batch; it commits or rolls back
+        with the caller's changes. Repeating a ``key`` is harmless: nothing is written,
+        ``duplicate`` is True and ``id`` is the existing row's, and the caller's transaction
+        stays usable. Lower ``priority`` sends first. Bad input raises an
+        :class:`~outbox.exceptions.EnqueueError` here, before anything touches the database.
         """
         _check_sync_session(session)
-        row, cat = self._row(email, key, category, priority, not_before, expires_at)
-        conn = session.connection(bind_arguments=_BIND_ARGS)
-        return self._write(conn, row, email, cat)
+        target = _plain(session)
+        entry = self._entry(target, email, key, category, priority, not_before, expires_at)
+        _buffer(target, [entry])
+        return entry.result
+
+    def enqueue_many(
+        self,
+        session: Session | scoped_session[Any],
+        emails: Sequence[Email],
+        *,
+        keys: Sequence[str | None] | None = None,
+        category: str | None = None,
+        priority: int = 0,
+        not_before: datetime | None = None,
+        expires_at: datetime | None = None,
+    ) -> list[EnqueueResult]:
+        """:meth:`enqueue` for each of ``emails`` (``keys[i]`` is the key of ``emails[i]``;
+        None, or no ``keys``, generates one). Every email is checked before any is buffered:
+        one bad email raises and none is enqueued."""
+        _check_sync_session(session)
+        target = _plain(session)
+        entries = self._entries(target, emails, keys, category, priority, not_before, expires_at)
+        _buffer(target, entries)
+        return [entry.result for entry in entries]
 
     async def enqueue_async(
         self,
-        session: AsyncSession,
+        session: AsyncSession | async_scoped_session[Any],
         email: Email,
         *,
         key: str | None = None,
@@ -161,11 +363,71 @@ class Outbox:
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
     ) -> EnqueueResult:
-        """:meth:`enqueue` for an ``AsyncSession``."""
+        """:meth:`enqueue` for an ``AsyncSession``: the row is written when the session
+        flushes (``await session.flush()``, or the commit)."""
         _check_async_session(session)
+        target = _plain_async(session)
+        entry = self._entry(target, email, key, category, priority, not_before, expires_at)
+        _buffer(target, [entry])
+        return entry.result
+
+    async def enqueue_many_async(
+        self,
+        session: AsyncSession | async_scoped_session[Any],
+        emails: Sequence[Email],
+        *,
+        keys: Sequence[str | None] | None = None,
+        category: str | None = None,
+        priority: int = 0,
+        not_before: datetime | None = None,
+        expires_at: datetime | None = None,
+    ) -> list[EnqueueResult]:
+        """:meth:`enqueue_many` for an ``AsyncSession``."""
+        _check_async_session(session)
+        target = _plain_async(session)
+        entries = self._entries(target, emails, keys, category, priority, not_before, expires_at)
+        _buffer(target, entries)
+        return [entry.result for entry in entries]
+
+    def _entries(
+        self,
+        session: Session,
+        emails: Sequence[Email],
+        keys: Sequence[str | None] | None,
+        category: str | None,
+        priority: int,
+        not_before: datetime | None,
+        expires_at: datetime | None,
+    ) -> list[_Entry]:
+        if isinstance(emails, Email) or not isinstance(emails, Sequence):
+            raise TypeError(f"emails must be a list of outbox.Email, not {type(emails).__name__}")
+        if keys is None:
+            keys = [None] * len(emails)
+        elif isinstance(keys, str) or not isinstance(keys, Sequence):
+            raise InvalidArgument("keys", f"must be a list of keys, not {type(keys).__name__}")
+        elif len(keys) != len(emails):
+            raise InvalidArgument(
+                "keys", f"has {len(keys)} keys for {len(emails)} emails; give one per email"
+            )
+        return [
+            self._entry(session, email, key, category, priority, not_before, expires_at)
+            for email, key in zip(emails, keys, strict=True)
+        ]
+
+    def _entry(
+        self,
+        session: Session,
+        email: Email,
+        key: str | None,
+        category: str | None,
+        priority: int,
+        not_before: datetime | None,
+        expires_at: datetime | None,
+    ) -> _Entry:
         row, cat = self._row(email, key, category, priority, not_before, expires_at)
-        conn = await session.connection(bind_arguments=_BIND_ARGS)
-        return await conn.run_sync(lambda sync_conn: self._write(sync_conn, row, email, cat))
+        owner = weakref.ref(session)
+        result = EnqueueResult(key=row["idempotency_key"], resolve=lambda r: _resolve(r, owner))
+        return _Entry(outbox=self, row=row, email=email, category=cat, result=result)
 
     def _row(
         self,
@@ -192,15 +454,6 @@ class Outbox:
             now=utcnow(),
         )
         return row, cat
-
-    def _write(
-        self, conn: sa.Connection, row: dict[str, Any], email: Email, cat: Category
-    ) -> EnqueueResult:
-        new_id, duplicate = insert_message(conn, row, email)
-        result = EnqueueResult(id=new_id, key=row["idempotency_key"], duplicate=duplicate)
-        signal = signals.duplicate_skipped if duplicate else signals.enqueued
-        signal.send(self, result=result, category=cat.name)
-        return result
 
     # -- declarative rules -----------------------------------------------------------------
 
@@ -297,7 +550,7 @@ class Outbox:
         if not self.rules:
             return
         batches = (("insert", session.new), ("update", session.dirty))
-        conn: sa.Connection | None = None
+        entries: list[_Entry] = []
         for on, objects in batches:
             for obj in objects:
                 for rule in self.rules:
@@ -308,9 +561,11 @@ class Outbox:
                     email = rule.function(obj)
                     if email is None:
                         continue
-                    row, cat = self._row(
-                        email, rule.key_for(obj), rule.category, rule.priority, None, None
-                    )
-                    if conn is None:
-                        conn = session.connection(bind_arguments=_BIND_ARGS)
-                    self._write(conn, row, email, cat)
+                    entries.append(
+                        self._entry(
+                            session, email, rule.key_for(obj), rule.category, rule.priority,
+                            None, None,
+                        )
+                    )  # fmt: skip
+        if entries:
+            _buffer(session, entries)

@@ -297,6 +297,7 @@ def test_concurrent_duplicate_waits_for_the_first_and_reports_it(server_backend,
     first = Sessions()
     first.add(Order(id=1, customer="first"))
     a = ob.enqueue(first, email(1), key="race")
+    first.flush()  # the row is on the server: the other transaction's insert waits on it
     outcome: dict[str, object] = {}
 
     def second() -> None:

@@ -20,13 +20,21 @@ import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from outbox import EnqueueResult, Outbox
+from outbox import Email, EnqueueResult, Outbox
 from outbox.schema import messages
 from tests.support.db import Backend, Order, emptied, rows
 from tests.support.factories import email
 from tests.support.waiting import wait_for
 
 LOCK_WAIT_SECONDS = 5
+
+
+def enqueued(ob: Outbox, session: Session, message: Email, *, key: str) -> EnqueueResult:
+    """Enqueue and flush: the row is on the server from here on (enqueue alone buffers it
+    until the session's next flush), so the races below are staged on real rows."""
+    result = ob.enqueue(session, message, key=key)
+    session.flush()
+    return result
 
 
 def bounded_engine(backend: Backend) -> Iterator[sa.Engine]:
@@ -160,9 +168,9 @@ def test_rolled_back_key_with_two_waiting_callers_aborts_neither(race_engine, he
     holder = Sessions()
     held.append(holder)
     holder.add(Order(id=3, customer="holder"))
-    ob.enqueue(holder, email(3), key="race")
+    enqueued(ob, holder, email(3), key="race")
     callers = [
-        Caller(Sessions, n, lambda s: ob.enqueue(s, email(3), key="race")).launch() for n in (1, 2)
+        Caller(Sessions, n, lambda s: enqueued(ob, s, email(3), key="race")).launch() for n in (1, 2)
     ]
     wait_until_blocked(race_engine, [c.id for c in callers])
     holder.rollback()
@@ -181,9 +189,9 @@ def test_committed_key_with_two_waiting_callers(race_engine, held):
     holder = Sessions()
     held.append(holder)
     holder.add(Order(id=3, customer="holder"))
-    first = ob.enqueue(holder, email(3), key="race")
+    first = enqueued(ob, holder, email(3), key="race")
     callers = [
-        Caller(Sessions, n, lambda s: ob.enqueue(s, email(3), key="race")).launch() for n in (1, 2)
+        Caller(Sessions, n, lambda s: enqueued(ob, s, email(3), key="race")).launch() for n in (1, 2)
     ]
     wait_until_blocked(race_engine, [c.id for c in callers])
     holder.commit()
@@ -206,7 +214,7 @@ def test_winner_committed_after_the_snapshot_is_a_duplicate(race_engine, held, i
     winner_session = Sessions()
     held.append(winner_session)
     winner_session.add(Order(id=2, customer="winner"))
-    won = ob.enqueue(winner_session, email(2), key="race")
+    won = enqueued(ob, winner_session, email(2), key="race")
     snapshot_taken = threading.Event()
     go = threading.Event()
 
@@ -214,7 +222,7 @@ def test_winner_committed_after_the_snapshot_is_a_duplicate(race_engine, held, i
         session.execute(sa.text("SELECT count(*) FROM shop_users")).scalar_one()
         snapshot_taken.set()
         assert go.wait(5)
-        return ob.enqueue(session, email(1), key="race")
+        return enqueued(ob, session, email(1), key="race")
 
     caller = Caller(Snapshot, 1, body).launch()
     assert snapshot_taken.wait(5)
@@ -248,9 +256,9 @@ def test_invisible_winner_is_a_duplicate_even_with_every_pooled_connection_in_us
             session.add(Order(id=n, customer=f"caller {n}"))
             session.flush()  # each holds a connection and a snapshot from here on
         with postgres_backend.engine.begin() as conn:  # the winner, on another pool
-            won = ob.enqueue(Session(bind=conn), email(3), key="race")
+            won = enqueued(ob, Session(bind=conn), email(3), key="race")
         started = time.monotonic()
-        results = [ob.enqueue(session, email(n), key="race") for n, session in enumerate(callers)]
+        results = [enqueued(ob, session, email(n), key="race") for n, session in enumerate(callers)]
         assert time.monotonic() - started < 1.0  # no wait for a connection of the full pool
         for session in callers:
             session.commit()
@@ -268,11 +276,11 @@ def test_same_transaction_enqueues_its_key_again_while_another_waits(race_engine
     holder = Sessions()
     held.append(holder)
     holder.add(Order(id=3, customer="holder"))
-    first = ob.enqueue(holder, email(3), key="race")
-    caller = Caller(Sessions, 1, lambda s: ob.enqueue(s, email(3), key="race")).launch()
+    first = enqueued(ob, holder, email(3), key="race")
+    caller = Caller(Sessions, 1, lambda s: enqueued(ob, s, email(3), key="race")).launch()
     wait_until_blocked(race_engine, [caller.id])
     started = time.monotonic()
-    again = ob.enqueue(holder, email(3), key="race")
+    again = enqueued(ob, holder, email(3), key="race")
     assert time.monotonic() - started < 1.0
     assert (again.id, again.duplicate) == (first.id, True)
     holder.commit()
@@ -296,18 +304,18 @@ def test_a_key_its_own_savepoint_rolled_back_is_enqueued_like_any_other(race_eng
 
     def again(session: Session) -> Any:
         nested = session.begin_nested()
-        ob.enqueue(session, email(2), key=key)
+        enqueued(ob, session, email(2), key=key)
         nested.rollback()
         gate.wait(5)
-        return ob.enqueue(session, email(2), key=key)
+        return enqueued(ob, session, email(2), key=key)
 
     second = Caller(Sessions, 2, again).launch()
     holder = Sessions()
     held.append(holder)
     holder.add(Order(id=1, customer="holder"))
     time.sleep(0.2)  # T2's savepoint has come and gone before T1 holds the key
-    ob.enqueue(holder, email(1), key=key)
-    third = Caller(Sessions, 3, lambda s: ob.enqueue(s, email(3), key=key)).launch()
+    enqueued(ob, holder, email(1), key=key)
+    third = Caller(Sessions, 3, lambda s: enqueued(ob, s, email(3), key=key)).launch()
     wait_until_blocked(race_engine, [third.id])
     gate.set()
     wait_until_blocked(race_engine, [second.id, third.id])
@@ -328,7 +336,7 @@ def test_lock_wait_timeout_rolls_back_only_the_outbox_statement(race_engine, hel
     Sessions = sessionmaker(race_engine)
     holder = Sessions()
     held.append(holder)
-    ob.enqueue(holder, email(3), key="held")
+    enqueued(ob, holder, email(3), key="held")
     postgres = race_engine.dialect.name == "postgresql"
     if postgres:
         statement_only = True
@@ -344,12 +352,12 @@ def test_lock_wait_timeout_rolls_back_only_the_outbox_statement(race_engine, hel
             "SET LOCAL lock_timeout = '500ms'" if postgres else "SET innodb_lock_wait_timeout = 1"
         )
         with pytest.raises(OperationalError) as info:
-            ob.enqueue(session, email(1), key="held")
+            enqueued(ob, session, email(1), key="held")
         if not postgres:
             conn.exec_driver_sql(f"SET innodb_lock_wait_timeout = {LOCK_WAIT_SECONDS}")
         if statement_only:
             session.add(Order(id=2, customer="after the timeout"))
-            ob.enqueue(session, email(2), key="other")
+            enqueued(ob, session, email(2), key="other")
         else:
             session.rollback()
         return str(info.value.orig)
@@ -381,11 +389,11 @@ def test_deadlock_that_rolls_back_the_whole_transaction_surfaces_as_itself(maria
     held.append(heavy)
     heavy.add_all([Order(id=200 + n, customer="heavy") for n in range(20)])
     heavy.flush()
-    ob.enqueue(heavy, email(3), key="held")
+    enqueued(ob, heavy, email(3), key="held")
 
     def body(session: Session) -> EnqueueResult:
         session.execute(sa.update(Order).where(Order.id == 100).values(status="mine"))
-        return ob.enqueue(session, email(1), key="held")
+        return enqueued(ob, session, email(1), key="held")
 
     caller = Caller(Sessions, 1, body).launch()
     wait_until_blocked(engine, [caller.id])
@@ -398,7 +406,7 @@ def test_deadlock_that_rolls_back_the_whole_transaction_surfaces_as_itself(maria
     assert 1 not in order_ids(engine)
     with Sessions.begin() as session:
         session.add(Order(id=1, customer="retried"))
-        retried = ob.enqueue(session, email(1), key="held")
+        retried = enqueued(ob, session, email(1), key="held")
     assert retried.duplicate is True
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(messages)).scalar_one() == 1
@@ -420,9 +428,9 @@ def test_invisible_winner_without_a_second_connection_raises_the_serialization_f
             session.add(Order(id=1, customer="caller"))
             session.execute(sa.text("SELECT count(*) FROM shop_users")).scalar_one()
             with sessionmaker(postgres_backend.engine).begin() as winner:
-                ob.enqueue(winner, email(2), key="race")
+                enqueued(ob, winner, email(2), key="race")
             with pytest.raises(OperationalError) as info:
-                ob.enqueue(session, email(1), key="race")
+                enqueued(ob, session, email(1), key="race")
             assert info.value.orig.sqlstate == "40001"
             session.add(Order(id=2, customer="caller, after the error"))
             session.commit()

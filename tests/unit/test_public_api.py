@@ -32,6 +32,7 @@ EXPORTS = {
         "ConfigurationError",
         "Email",
         "EnqueueError",
+        "EnqueueNotWritten",
         "EnqueueResult",
         "HeaderInjection",
         "InvalidAddress",
