@@ -17,6 +17,7 @@ The rules that keep the relay safe live here:
 from __future__ import annotations
 
 import functools
+import json
 import random
 import uuid
 from collections.abc import Iterable, Sequence
@@ -726,42 +727,62 @@ _ATTEMPT_FIELDS = (
 )
 
 
-def _array_type(column: sa.Column[Any]) -> postgresql.ARRAY[Any]:
-    if isinstance(column.type, UTCDateTime):
-        return postgresql.ARRAY(sa.DateTime(timezone=True))
-    return postgresql.ARRAY(column.type)
+def _pg_attempt_value(index: int, name: str) -> str:
+    """Field ``index`` of one JSON attempt row, as its column's type."""
+    kind = attempts.c[name].type
+    if isinstance(kind, UTCDateTime):
+        return f"CAST(attempt ->> {index} AS TIMESTAMP WITH TIME ZONE)"
+    if isinstance(kind, sa.BigInteger | sa.Integer):
+        return f"CAST(attempt ->> {index} AS BIGINT)"
+    return f"attempt ->> {index}"
 
 
-# PostgreSQL: attempt rows arrive as one array per column, unnested into one INSERT
-_ATTEMPT_ROWS = (
-    sa.func.unnest(
-        *(
-            sa.bindparam(f"a_{name}", type_=_array_type(attempts.c[name]))
-            for name in _ATTEMPT_FIELDS
-        )
-    )
-    .table_valued(*(sa.column(name, attempts.c[name].type) for name in _ATTEMPT_FIELDS))
-    .render_derived()
-    .alias("attempt")
+# PostgreSQL: the attempt rows arrive as one JSON array of arrays (one per row, fields in
+# _ATTEMPT_FIELDS order), unnested into one INSERT: one parameter and one statement text
+# whatever the batch size, and the rows are dumped by json.dumps instead of one array
+# dumper per column
+_INSERT_ATTEMPTS_PG = sa.text(
+    f"INSERT INTO {attempts.name} ({', '.join(_ATTEMPT_FIELDS)}) SELECT "
+    + ", ".join(_pg_attempt_value(k, name) for k, name in enumerate(_ATTEMPT_FIELDS))
+    + " FROM json_array_elements(CAST(:a_rows AS JSON)) AS attempt"
 )
-_INSERT_ATTEMPTS_PG = sa.insert(attempts).from_select(
-    list(_ATTEMPT_FIELDS), sa.select(*_ATTEMPT_ROWS.c)
-)
+
+
+def _utc_text(value: datetime | None) -> str | None:
+    """A timestamp as ISO 8601 text with its offset; naive ones refused, as UTCDateTime
+    does."""
+    if value is None:
+        return None
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"naive datetime {value!r}: outbox timestamps must be timezone-aware")
+    return value.isoformat()
 
 
 def record_attempts(conn: sa.Connection, records: Iterable[AttemptRecord]) -> None:
     """record_attempts -- Append attempt rows (in the finalize's transaction, stale or not):
-    one ``INSERT ... SELECT FROM unnest(...)`` on PostgreSQL, an executemany elsewhere."""
-    rows = [{name: getattr(r, name) for name in _ATTEMPT_FIELDS} for r in records]
-    if not rows:
-        return
+    one ``INSERT ... SELECT FROM json_array_elements(...)`` on PostgreSQL, an executemany
+    elsewhere."""
     if conn.dialect.name == "postgresql":
-        conn.execute(
-            _INSERT_ATTEMPTS_PG,
-            {f"a_{name}": [row[name] for row in rows] for name in _ATTEMPT_FIELDS},
-        )
-    else:
-        conn.execute(sa.insert(attempts), rows)
+        rows = [
+            [
+                r.message_id,
+                r.claim_token,
+                r.relay_id,
+                _utc_text(r.started_at),
+                _utc_text(r.finished_at),
+                r.outcome,
+                r.error_code,
+                r.error_message,
+                r.provider_message_id,
+            ]
+            for r in records
+        ]
+        if rows:
+            conn.execute(_INSERT_ATTEMPTS_PG, {"a_rows": json.dumps(rows)})
+        return
+    mapped = [{name: getattr(r, name) for name in _ATTEMPT_FIELDS} for r in records]
+    if mapped:
+        conn.execute(sa.insert(attempts), mapped)
 
 
 def apply_decision(
