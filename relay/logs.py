@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -121,9 +122,23 @@ def _fields(
 _LOGFMT_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
+# ASCII text that logfmt takes bare: printable, no space, '=', '"' or '\\' (what
+# _needs_quotes refuses, for ASCII); one regex match instead of a test per character
+_BARE_ASCII = re.compile(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+")
+
+
+def _bare(text: str) -> bool:
+    """True if ``text`` needs no quotes (not empty, no character :func:`_needs_quotes`)."""
+    if text.isascii():
+        return _BARE_ASCII.fullmatch(text) is not None
+    return bool(text) and not any(_needs_quotes(c) for c in text)
+
+
 def _logfmt_key(name: str) -> str:
     """A key logfmt can hold: no space, ``=``, ``"`` or unprintable character (each becomes
     ``_``), never empty."""
+    if _bare(name):
+        return name
     cleaned = "".join("_" if _needs_quotes(c) else c for c in name)
     return cleaned or "_"
 
@@ -163,7 +178,7 @@ def logfmt_value(value: Any) -> str:
         text = json.dumps(value, ensure_ascii=False)
     else:
         text = str(value)
-    if text and not any(_needs_quotes(c) for c in text):
+    if _bare(text):
         return text
     return '"' + "".join(_escape(c) for c in text) + '"'
 
