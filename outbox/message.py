@@ -123,6 +123,9 @@ def _check_utf8(value: str, field: str) -> None:
 
 
 def _as_tuple(value: object, field: str, expected: str) -> tuple[object, ...]:
+    kind = type(value)
+    if kind is tuple or kind is list:  # the usual cases, without the ABC checks below
+        return tuple(value)  # type: ignore[arg-type]
     if isinstance(value, str):
         return (value,)
     if isinstance(value, bytes | bytearray | memoryview | Mapping) or not isinstance(
@@ -133,7 +136,9 @@ def _as_tuple(value: object, field: str, expected: str) -> tuple[object, ...]:
 
 
 def _str_pairs(value: object, field: str) -> list[tuple[str, str]]:
-    if not isinstance(value, Mapping):
+    if value is _EMPTY:
+        return []
+    if type(value) is not dict and not isinstance(value, Mapping):
         raise InvalidEmail(field, f"expected a mapping of str to str, got {type(value).__name__}")
     pairs = []
     for name, item in value.items():
@@ -539,7 +544,7 @@ class Email:
         Keys may be missing or ``None`` for empty fields. An unknown version, unknown key or
         malformed value raises :class:`InvalidEmail` naming it (``"payload.v"``, ``"sender"``).
         """
-        if not isinstance(payload, Mapping):
+        if type(payload) is not dict and not isinstance(payload, Mapping):
             raise InvalidEmail("payload", f"expected a mapping, got {type(payload).__name__}")
         version = payload.get("v")
         if type(version) is not int or version != _PAYLOAD_VERSION:
