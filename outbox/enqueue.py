@@ -39,7 +39,6 @@ from rolling back the savepoint.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -47,6 +46,7 @@ import logging
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -205,6 +205,10 @@ class EnqueueResult:
         if self._id is None:
             self._failure, self._resolve = reason, None
 
+    def undo(self, reason: str) -> None:
+        """Record that the row written was rolled back, and why."""
+        self._id, self._failure, self._resolve = None, reason, None
+
     def _written(self) -> tuple[int, bool]:
         if self._id is None and self._resolve is not None:
             self._resolve(self)
@@ -254,6 +258,8 @@ def build_row(
     for field, value in (("not_before", not_before), ("expires_at", expires_at)):
         if value is not None and (not isinstance(value, datetime) or value.utcoffset() is None):
             raise InvalidArgument(field, "must be a timezone-aware datetime")
+        if value is not None and not _in_utc_range(value):
+            raise InvalidArgument(field, "is out of range: it must be a year 1 to 9999 in UTC")
     due = now if not_before is None else max(now, not_before)
     if expires_at is not None and expires_at <= due:
         raise InvalidArgument("expires_at", "must be later than now and than not_before")
@@ -279,11 +285,23 @@ def build_row(
     }
 
 
+def _in_utc_range(value: datetime) -> bool:
+    try:
+        value.astimezone(UTC)
+    except OverflowError:
+        return False
+    return True
+
+
 def insert_messages(
-    conn: sa.Connection, rows: Sequence[dict[str, Any]], emails: Sequence[Email]
+    conn: sa.Connection,
+    rows: Sequence[dict[str, Any]],
+    emails: Sequence[Email],
+    *,
+    fresh: AbstractSet[str] = frozenset(),
 ) -> list[tuple[int, bool]]:
     """Insert ``rows`` (distinct keys) under one savepoint on ``conn``; return (id, duplicate)
-    for each, in order.
+    for each, in order. ``fresh`` are the keys :func:`new_key` generated for this batch.
 
     Must be called with ``conn`` inside the caller's transaction. Only a duplicate key is
     swallowed; any other error rolls back the savepoint, so none of ``rows`` is written, and
@@ -297,9 +315,9 @@ def insert_messages(
     if dialect in ("mysql", "mariadb"):
         for row, email in zip(rows, emails, strict=True):
             check_packet_size(conn, email, row)
-        return _under_savepoint(conn, lambda: [_insert_mysql(conn, row) for row in rows])
+        return _insert_mysql_batch(conn, rows, emails, fresh)
     if dialect == "sqlite" and conn.dialect.insert_returning:
-        return _under_savepoint(conn, lambda: _insert_sqlite(conn, rows))
+        return _insert_sqlite(conn, rows)  # one statement, all or nothing: no savepoint
     return _under_savepoint(conn, lambda: [_insert_plain(conn, row, _existing) for row in rows])
 
 
@@ -338,7 +356,8 @@ def _insert_plain(
 
 def _insert_sqlite(conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> list[tuple[int, bool]]:
     """One multi-row INSERT ... ON CONFLICT DO NOTHING RETURNING; the keys it skipped are read
-    back (SQLite has one writer: nothing removes them in between)."""
+    back (SQLite has one writer: nothing removes them in between). A failed statement is rolled
+    back alone, the transaction goes on, so it needs no savepoint."""
     found = {key: (int(id_), False) for id_, key in conn.execute(_insert_returning, list(rows))}
     skipped = [row["idempotency_key"] for row in rows if row["idempotency_key"] not in found]
     found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
@@ -353,6 +372,56 @@ def _existing_ids(conn: sa.Connection, keys: Iterable[str]) -> dict[str, int]:
         chunk = keys[start : start + _LOOKUP_CHUNK]
         ids.update((key, int(id_)) for id_, key in conn.execute(_existing_many, {"keys": chunk}))
     return ids
+
+
+_insert_many_returning = sa.insert(messages).values(_values).returning(messages.c.id, _KEY)
+_MULTI_ROW_BYTES = 1_000_000  # a multi-row INSERT stays under any likely max_allowed_packet
+
+
+def _insert_mysql_batch(
+    conn: sa.Connection,
+    rows: Sequence[dict[str, Any]],
+    emails: Sequence[Email],
+    fresh: AbstractSet[str],
+) -> list[tuple[int, bool]]:
+    """MySQL/MariaDB. Rows whose keys :func:`new_key` generated (random: no other transaction
+    can hold, wait on or commit them) need no named lock: they go as one multi-row INSERT where
+    the server returns ids (MariaDB 10.5+), else one plain INSERT each. Every other row goes on
+    its own under its key's named lock. One statement alone needs no savepoint (InnoDB rolls
+    back a failed statement by itself); more share one."""
+    generated = [row for row in rows if row["idempotency_key"] in fresh]
+    multi = (
+        getattr(conn.dialect, "is_mariadb", False)
+        and conn.dialect.insert_returning
+        and len(generated) > 1
+        and sum(_size(e) for e in emails) <= _MULTI_ROW_BYTES
+    )
+    statements = (1 if multi else len(generated)) + 3 * (len(rows) - len(generated))
+
+    def work() -> list[tuple[int, bool]]:
+        found: dict[str, tuple[int, bool]] = {}
+        if multi:
+            inserted = conn.execute(_insert_many_returning, generated).all()
+            found.update((key, (int(id_), False)) for id_, key in inserted)
+        else:
+            for row in generated:
+                new_id = conn.execute(_insert, row).inserted_primary_key
+                assert new_id is not None
+                found[row["idempotency_key"]] = (int(new_id[0]), False)
+        transaction = conn.get_transaction()
+        if generated and transaction is not None:
+            _inserted.setdefault(transaction, set()).update(found)
+        for row in rows:
+            if row["idempotency_key"] not in found:
+                found[row["idempotency_key"]] = _insert_mysql(conn, row)
+        return [found[row["idempotency_key"]] for row in rows]
+
+    return work() if statements == 1 else _under_savepoint(conn, work)
+
+
+def _size(email: Email) -> int:
+    """A cheap upper bound of the bytes ``email`` adds to an INSERT statement."""
+    return email.rendered_size() + 4096
 
 
 def _insert_mysql(conn: sa.Connection, row: dict[str, Any]) -> tuple[int, bool]:
@@ -481,24 +550,45 @@ def _pipelined(conn: sa.Connection) -> bool:
 
 def _insert_pipelined(conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> list[Any] | None:
     """Send SAVEPOINT, the batch INSERT and RELEASE in one pipeline on the psycopg connection
-    under ``conn``; return the (id, key) of the inserted rows. On any error, roll back to the
-    savepoint and return None: the caller then runs the batch the ordinary way, through
-    SQLAlchemy, which raises (and handles: disconnects, serialization failures) the error as
-    it does for any statement."""
+    under ``conn``; return the (id, key) of the inserted rows.
+
+    On a database error, roll back to the savepoint and raise it as SQLAlchemy would (the
+    same exception classes); a serialization failure returns None instead, for the caller's
+    ordinary path to resolve on a second connection. If the savepoint cannot be rolled back
+    (the connection is gone, or the transaction was already aborted), return None too: the
+    ordinary path, through SQLAlchemy, then meets the same state and raises (and handles:
+    disconnects invalidate the connection) it as for any statement.
+    """
     sql, params = _pipeline_statement(conn)
     raw: Any = conn.connection.driver_connection
     params = {**params, "rows": _as_json(rows)}
+    failure: Exception | None = None
     try:
         with raw.pipeline():
-            raw.execute(f"SAVEPOINT {_SAVEPOINT}")
-            cursor = raw.execute(sql, params)
-            raw.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
-        return [(int(row[0]), row[1]) for row in cursor.fetchall()]
+            try:
+                raw.execute(f"SAVEPOINT {_SAVEPOINT}")
+                cursor = raw.execute(sql, params)
+                raw.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+            except Exception as inside:
+                failure = inside
+        if failure is None:
+            return [(int(row[0]), row[1]) for row in cursor.fetchall()]
+    except Exception as at_end:
+        failure = failure or at_end
+    assert failure is not None
+    try:
+        raw.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
+        raw.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
     except Exception:
-        with contextlib.suppress(Exception):
-            raw.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
-            raw.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
         return None
+    dbapi_error = conn.dialect.loaded_dbapi.Error
+    if not isinstance(failure, dbapi_error) or getattr(failure, "sqlstate", None) == (
+        _SERIALIZATION_FAILURE
+    ):
+        return None
+    raise DBAPIError.instance(
+        sql, params, failure, dbapi_error, hide_parameters=True, dialect=conn.dialect
+    ) from failure
 
 
 def _pipeline_statement(conn: sa.Connection) -> tuple[str, dict[str, Any]]:
@@ -598,7 +688,9 @@ def check_packet_size(conn: sa.Connection, email: Email, row: dict[str, Any]) ->
     if limit is None:
         limit = int(conn.exec_driver_sql("SELECT @@max_allowed_packet").scalar_one())
         _max_packet[engine] = limit
-    size = len(json.dumps(row["payload"])) + 4096
+    # The driver escapes the JSON text again inside the statement (a quote or backslash becomes
+    # two bytes): twice its length bounds what reaches the server.
+    size = 2 * len(json.dumps(row["payload"])) + 4096
     if size > limit:
         raise MessageTooLarge(
             "attachments" if email.attachments else "html",

@@ -120,6 +120,12 @@ def _check_utf8(value: str, field: str) -> None:
         raise InvalidEmail(
             field, f"contains a lone surrogate at position {exc.start} and cannot be sent as UTF-8"
         ) from None
+    if "\x00" in value:
+        raise InvalidEmail(
+            field,
+            f"contains a NUL character (U+0000) at position {value.index(chr(0))}; mail cannot "
+            "carry it (and PostgreSQL text cannot store it)",
+        )
 
 
 def _as_tuple(value: object, field: str, expected: str) -> tuple[object, ...]:
@@ -333,6 +339,17 @@ def _checked_tags(value: object) -> Mapping[str, str]:
     return MappingProxyType(dict(pairs)) if pairs else _EMPTY
 
 
+def _has_nul(value: object) -> bool:
+    """Whether a NUL character is in any string (key or value) of JSON-like ``value``."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, Mapping):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(item) for item in value)
+    return False
+
+
 def _checked_template_data(value: object) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise InvalidEmail("template_data", f"expected a mapping, got {type(value).__name__}")
@@ -344,6 +361,10 @@ def _checked_template_data(value: object) -> Mapping[str, Any]:
     if size > _MAX_TEMPLATE_DATA_BYTES:
         raise InvalidEmail(
             "template_data", f"{size:,} bytes as JSON; SES accepts {_MAX_TEMPLATE_DATA_BYTES:,}"
+        )
+    if _has_nul(value):
+        raise InvalidEmail(
+            "template_data", "contains a NUL character (U+0000), which mail cannot carry"
         )
     return MappingProxyType(json.loads(encoded))
 

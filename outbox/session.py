@@ -24,7 +24,14 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
-from sqlalchemy.orm import Session, UOWTransaction, registry, scoped_session, sessionmaker
+from sqlalchemy.orm import (
+    Session,
+    SessionTransaction,
+    UOWTransaction,
+    registry,
+    scoped_session,
+    sessionmaker,
+)
 from sqlalchemy.util.concurrency import in_greenlet
 
 from outbox import signals
@@ -53,7 +60,8 @@ _RuleFunction = Callable[[Any], Email | None]
 _SessionTarget = sessionmaker[Any] | async_sessionmaker[Any] | type[Session] | type[AsyncSession]
 
 _BIND_ARGS = {"clause": messages}
-_PENDING = "outbox.pending"  # the session.info entry of the placeholder in the session
+_PENDING = "outbox.pending"  # session.info: the rows buffered for the next flush
+_WRITTEN = "outbox.written"  # session.info: (transaction, result) written, not yet committed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,16 +73,19 @@ class _Entry:
     email: Email
     category: Category
     result: EnqueueResult
+    generated: bool = False  # its key came from new_key(): no other transaction can have it
     same_as: EnqueueResult | None = None  # an earlier entry of the same batch with this key
 
 
 class _Pending:
-    """The placeholder for a session's buffered rows (see the module's docstring). It is mapped
-    to a table that does not exist, so if it ever reached the ORM's own flush, that flush would
-    fail loudly instead of writing anything."""
+    """A session's buffered rows and their placeholder (see the module's docstring). It is
+    mapped to a table that does not exist, so if it ever reached the ORM's own flush, that
+    flush would fail loudly instead of writing anything. ``transaction`` is the innermost
+    session transaction (root or savepoint) the rows were enqueued in."""
 
     entries: list[_Entry]
     by_key: dict[str, EnqueueResult]
+    transaction: SessionTransaction | None
 
 
 _placeholders = registry()
@@ -88,28 +99,98 @@ _placeholders.map_imperatively(
 )
 
 
-def _buffered(session: Session) -> _Pending | None:
-    """The placeholder of ``session``'s current buffer, if it is still pending there."""
-    pending: _Pending | None = session.info.get(_PENDING)
-    if pending is None:
-        return None
-    state = sa.inspect(pending)
-    if state.pending and state.session is session:
-        return pending
-    return None
+def _innermost(session: Session) -> SessionTransaction | None:
+    return session.get_nested_transaction() or session.get_transaction()
 
 
-def _write_buffered(session: Session, flush_context: UOWTransaction, instances: object) -> None:
-    """``before_flush`` of every Session: write the buffered rows, take the placeholder out."""
-    pending = _buffered(session)
+def _within(transaction: SessionTransaction | None, ended: SessionTransaction) -> bool:
+    """Whether ``transaction`` is ``ended`` or was begun inside it."""
+    while transaction is not None:
+        if transaction is ended:
+            return True
+        transaction = transaction.parent
+    return False
+
+
+def _write_pending(session: Session) -> None:
+    """Write the session's buffered rows now, and take the placeholder out of the session."""
+    pending: _Pending | None = session.info.pop(_PENDING, None)
     if pending is None:
         return
-    del session.info[_PENDING]
-    session.expunge(pending)
+    state = sa.inspect(pending)
+    if state.pending and state.session is session:
+        session.expunge(pending)
     _write(session, pending.entries)
 
 
-event.listen(Session, "before_flush", _write_buffered)
+def _before_flush(session: Session, flush_context: UOWTransaction, instances: object) -> None:
+    _write_pending(session)
+
+
+def _before_commit(session: Session) -> None:
+    """Also at the commit (and a savepoint's release): the placeholder may be gone (an
+    ``expunge_all()``) while the rows are still the transaction's to write."""
+    _write_pending(session)
+
+
+def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
+    """Drop what a rollback undid: buffered rows enqueued in the rolled-back transaction or
+    savepoint, and the results of rows written there."""
+    boundary: SessionTransaction | None = previous_transaction
+    while boundary is not None and not (boundary.parent is None or boundary.nested):
+        boundary = boundary.parent  # a flush's subtransaction rolls back its savepoint or root
+    if boundary is None:
+        return
+    pending: _Pending | None = session.info.get(_PENDING)
+    if pending is not None and _within(pending.transaction, boundary):
+        del session.info[_PENDING]
+        _drop(session, pending, "the transaction or savepoint it was enqueued in was rolled back")
+    written: list[tuple[SessionTransaction | None, EnqueueResult]] = session.info.get(_WRITTEN, [])
+    kept = []
+    for transaction, result in written:
+        if _within(transaction, boundary):
+            result.undo("it was written, then its transaction or savepoint was rolled back")
+        else:
+            kept.append((transaction, result))
+    written[:] = kept
+
+
+def _after_commit(session: Session) -> None:
+    if session.get_nested_transaction() is None:  # the root committed: its rows are for good
+        session.info.pop(_WRITTEN, None)
+
+
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    """The root transaction is over (committed, rolled back or closed): nothing buffered or
+    written in it can be written or kept any more."""
+    if transaction.parent is not None:
+        return
+    pending: _Pending | None = session.info.pop(_PENDING, None)
+    if pending is not None:
+        _drop(
+            session, pending, "its transaction was rolled back or closed before the row was written"
+        )
+    for _, result in session.info.pop(_WRITTEN, []):
+        result.undo("its transaction was rolled back or closed without a commit")
+
+
+def _drop(session: Session, pending: _Pending, reason: str) -> None:
+    state = sa.inspect(pending)
+    if state.pending and state.session is session:
+        session.expunge(pending)
+    for entry in pending.entries:
+        entry.result.fail(reason)
+
+
+for _name, _listener in (
+    ("before_flush", _before_flush),
+    ("before_commit", _before_commit),
+    ("after_soft_rollback", _after_soft_rollback),
+    ("after_commit", _after_commit),
+    ("after_transaction_end", _after_transaction_end),
+):
+    # insert=True: ahead of the app's own listeners, which then never see the placeholder
+    event.listen(Session, _name, _listener, insert=True)
 
 
 def _write(session: Session, entries: list[_Entry]) -> None:
@@ -118,26 +199,34 @@ def _write(session: Session, entries: list[_Entry]) -> None:
     fresh = [entry for entry in entries if entry.same_as is None]
     try:
         conn = session.connection(bind_arguments=_BIND_ARGS)
-        written = insert_messages(conn, [e.row for e in fresh], [e.email for e in fresh])
+        written = insert_messages(
+            conn,
+            [e.row for e in fresh],
+            [e.email for e in fresh],
+            fresh={e.result.key for e in fresh if e.generated},
+        )
     except BaseException as exc:
         for entry in entries:
             entry.result.fail(f"its write failed: {type(exc).__name__}: {exc}")
         raise
     for entry, (new_id, duplicate) in zip(fresh, written, strict=True):
         entry.result.settle(new_id, duplicate)
+    transaction = _innermost(session)
+    record = session.info.setdefault(_WRITTEN, [])
     for entry in entries:
         if entry.same_as is not None:
             entry.result.settle(entry.same_as.id, True)
         result = entry.result
+        record.append((transaction, result))
         signal = signals.duplicate_skipped if result.duplicate else signals.enqueued
         signal.send(entry.outbox, result=result, category=entry.category.name)
 
 
 def _resolve(result: EnqueueResult, owner: weakref.ref[Session]) -> None:
-    """Reading a pending result's id: flush its session, as the ORM does for a primary key."""
+    """Reading a result that is still buffered: write the session's buffered rows now."""
     session = owner()
     if session is None:
-        result.fail("its session was discarded before it flushed")
+        result.fail("its session was discarded before the row was written")
         return
     if _on_async_driver(session) and not in_greenlet():
         raise EnqueueNotWritten(
@@ -145,10 +234,10 @@ def _resolve(result: EnqueueResult, owner: weakref.ref[Session]) -> None:
             "the AsyncSession has not flushed yet; `await session.flush()` (or the commit) "
             "writes it",
         )
-    if _buffered(session) is not None:
-        session.flush()
+    if not session._flushing:
+        _write_pending(session)
     if not result.written:
-        result.fail("the transaction or savepoint it was enqueued in was rolled back first")
+        result.fail("it was never written")
 
 
 def _plain(session: Session | scoped_session[Any]) -> Session:
@@ -164,20 +253,38 @@ def _plain_async(session: AsyncSession | async_scoped_session[Any]) -> Session:
 
 
 def _buffer(session: Session, entries: list[_Entry]) -> None:
-    """Buffer ``entries`` in ``session`` until its next flush; inside a flush (a flush event,
-    a rule) write them at once."""
-    if _on_mysql(session) and any(e.email.rendered_size() >= PACKET_CHECK_FROM for e in entries):
-        _check_packets(session, entries)
-    if session._flushing:
+    """Buffer ``entries`` in ``session`` until its next flush. Inside a flush (a flush event,
+    a rule), or with a session bound to a Connection (whose transaction the app may commit
+    without the session), write them at once."""
+    bind = session.get_bind(clause=messages)  # no bind for the table raises here, not later
+    transaction = session.get_transaction()
+    if transaction is not None and not transaction.is_active:
+        raise sa.exc.InvalidRequestError(
+            "enqueue() on a session whose transaction is no longer active (committed, or "
+            "rolled back by a failed flush): the email would not be part of it; roll back, "
+            "or enqueue in the next transaction"
+        )
+    dialect = bind.dialect
+    mysql = dialect.name in ("mysql", "mariadb") and not dialect.is_async
+    if mysql and any(e.email.rendered_size() >= PACKET_CHECK_FROM for e in entries):
+        conn = session.connection(bind_arguments=_BIND_ARGS)
+        for entry in entries:
+            check_packet_size(conn, entry.email, entry.row)
+    if session._flushing or isinstance(bind, sa.Connection):
         _write(session, _deduplicated(entries, {}))
         return
-    pending = _buffered(session)
+    pending: _Pending | None = session.info.get(_PENDING)
     if pending is None:
         pending = _Pending()
         pending.entries = []
         pending.by_key = {}
-        session.add(pending)
+        session.add(pending)  # begins the session's transaction if it had none
+        pending.transaction = _innermost(session)
         session.info[_PENDING] = pending
+    else:
+        state = sa.inspect(pending)
+        if not (state.pending and state.session is session):
+            session.add(pending)  # expunged (expunge_all): the next flush must still run
     pending.entries.extend(_deduplicated(entries, pending.by_key))
 
 
@@ -189,24 +296,6 @@ def _deduplicated(entries: list[_Entry], by_key: dict[str, EnqueueResult]) -> li
         if first is not entry.result:
             entry.same_as = first
     return entries
-
-
-def _on_mysql(session: Session) -> bool:
-    """Whether the outbox table's bind is MySQL/MariaDB on a sync driver, where a big message
-    is checked against ``max_allowed_packet`` at enqueue (elsewhere, or with an async driver,
-    at the write)."""
-    try:
-        dialect = session.get_bind(clause=messages).dialect
-    except sa.exc.UnboundExecutionError:
-        return False
-    return dialect.name in ("mysql", "mariadb") and not dialect.is_async
-
-
-def _check_packets(session: Session, entries: list[_Entry]) -> None:
-    """Refuse a message too big for the server at enqueue, not at the commit."""
-    conn = session.connection(bind_arguments=_BIND_ARGS)
-    for entry in entries:
-        check_packet_size(conn, entry.email, entry.row)
 
 
 def _check_sync_session(session: object) -> None:
@@ -427,7 +516,9 @@ class Outbox:
         row, cat = self._row(email, key, category, priority, not_before, expires_at)
         owner = weakref.ref(session)
         result = EnqueueResult(key=row["idempotency_key"], resolve=lambda r: _resolve(r, owner))
-        return _Entry(outbox=self, row=row, email=email, category=cat, result=result)
+        return _Entry(
+            outbox=self, row=row, email=email, category=cat, result=result, generated=key is None
+        )
 
     def _row(
         self,

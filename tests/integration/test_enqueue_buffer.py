@@ -9,6 +9,7 @@ where the database allows it.
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import sqlalchemy as sa
@@ -279,3 +280,97 @@ def test_async_results_are_known_after_the_flush(backend):
     assert (many[0].id, many[0].duplicate) == (first.id, True)
     assert many[1].duplicate is False
     assert [r.idempotency_key for r in rows(backend.engine)] == ["a", "b"]
+
+
+def test_a_session_bound_to_a_connection_writes_at_once(engine, ob):
+    """The app commits the connection's own transaction, not the session's: the email must be
+    in it (a Core app that makes a Session only to enqueue, or the test-suite pattern)."""
+    with engine.connect() as conn:
+        transaction = conn.begin()
+        result = ob.enqueue(Session(bind=conn), email(1), key="k1")
+        assert result.written
+        transaction.commit()
+    assert [r.idempotency_key for r in rows(engine)] == ["k1"]
+
+
+def test_rows_whose_placeholder_was_expunged_are_still_written_at_the_commit(engine, Sessions, ob):
+    with Sessions() as session, session.begin():
+        result = ob.enqueue(session, email(1), key="k1")
+        session.expunge_all()
+    assert result.duplicate is False
+    assert [r.id for r in rows(engine)] == [result.id]
+
+
+def test_a_result_written_then_rolled_back_stops_claiming_its_row(engine, Sessions, ob):
+    with Sessions() as session:
+        result = ob.enqueue(session, email(1), key="k1")
+        session.flush()
+        assert result.written
+        session.rollback()
+        with pytest.raises(EnqueueNotWritten) as info:
+            result.id  # noqa: B018 - reading it is the test
+        assert "rolled back" in info.value.reason
+        with session.begin():
+            kept = ob.enqueue(session, email(2), key="k2")
+            nested = session.begin_nested()
+            inside = ob.enqueue(session, email(3), key="k3")
+            session.flush()
+            assert inside.written
+            nested.rollback()
+        assert not inside.written
+    assert [r.id for r in rows(engine)] == [kept.id]
+
+
+def test_enqueue_after_the_transaction_committed_is_refused(engine, Sessions, ob):
+    """An ``after_commit`` listener's enqueue would land in no transaction (or the next)."""
+    errors = []
+
+    def late(session):
+        try:
+            ob.enqueue(session, email(9), key="late")
+        except sa.exc.InvalidRequestError as exc:
+            errors.append(exc)
+
+    with Sessions() as session:
+        event.listen(session, "after_commit", late)
+        session.add(Order(id=1, customer="ada"))
+        session.commit()
+        event.remove(session, "after_commit", late)
+        session.add(Order(id=2, customer="bob"))
+        session.commit()
+    assert len(errors) == 1
+    assert "no longer active" in str(errors[0])
+    assert rows(engine) == []
+
+
+def test_a_session_without_a_bind_for_the_outbox_table_is_refused_at_enqueue(engine, ob):
+    session = Session(binds={Order: engine})
+    with pytest.raises(sa.exc.UnboundExecutionError):
+        ob.enqueue(session, email(1), key="k1")
+    session.close()
+
+
+def test_an_expiry_out_of_range_in_utc_is_refused_at_enqueue(Sessions, ob):
+    far = datetime(9999, 12, 31, 22, tzinfo=timezone(timedelta(hours=-5)))
+    with Sessions() as session, session.begin():
+        with pytest.raises(InvalidArgument) as info:
+            ob.enqueue(session, email(1), key="k1", expires_at=far)
+        assert info.value.field == "expires_at"
+        ob.enqueue(session, email(2), key="k2")
+
+
+def test_the_apps_own_flush_and_commit_listeners_never_see_the_placeholder(engine, ob):
+    Sessions = sessionmaker(engine)
+    seen: list[str] = []
+
+    def record(session, *args):
+        seen.extend(type(obj).__name__ for obj in session.new)
+
+    event.listen(Sessions, "before_flush", record)
+    event.listen(Sessions, "before_commit", record)
+    with Sessions() as session, session.begin():
+        session.add(Order(id=1, customer="ada"))
+        ob.enqueue(session, email(1), key="k1")
+    assert "Order" in seen
+    assert "_Pending" not in seen
+    assert [r.idempotency_key for r in rows(engine)] == ["k1"]

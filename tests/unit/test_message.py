@@ -602,13 +602,14 @@ ATTACHMENTS = st.builds(
     disposition=st.sampled_from(["attachment", "inline"]),
     content_id=st.none() | st.from_regex(r"[a-z0-9.@]{1,20}", fullmatch=True),
 )
+NO_NUL = st.text(st.characters(exclude_characters="\x00"))  # mail cannot carry U+0000
 JSON = st.recursive(
     st.none()
     | st.booleans()
     | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    | NO_NUL,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(NO_NUL, inner, max_size=3),
     max_leaves=10,
 )
 
@@ -634,10 +635,12 @@ def emails(draw: st.DrawFn) -> Email:
     }
     if draw(st.booleans()):
         fields["template"] = draw(st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True))
-        fields["template_data"] = draw(st.none() | st.dictionaries(st.text(), JSON, max_size=4))
+        fields["template_data"] = draw(st.none() | st.dictionaries(NO_NUL, JSON, max_size=4))
     else:
         fields["subject"] = draw(st.text(SAFE_TEXT, min_size=1, max_size=120).filter(str.strip))
-        body = st.text(st.characters(codec="utf-8"), min_size=1, max_size=400)
+        body = st.text(
+            st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=400
+        )
         fields["text"], fields["html"] = draw(
             st.tuples(body, st.none() | body) | st.tuples(st.none(), body)
         )
@@ -659,3 +662,29 @@ def test_canonical_address_is_a_fixed_point(address: str) -> None:
     canonical = validate_address(address, "sender")
     assert canonical.isascii()
     assert validate_address(canonical, "sender") == canonical
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"subject": "s", "text": "pasted\x00text"}, "text"),
+        ({"subject": "s", "html": "<p>\x00</p>"}, "html"),
+        ({"template": "t", "template_data": {"name": "a\x00"}}, "template_data"),
+        ({"template": "t", "template_data": {"k\x00": 1}}, "template_data"),
+        ({"template": "t", "template_data": {"list": [{"deep": "\x00"}]}}, "template_data"),
+    ],
+)
+def test_a_nul_character_is_refused_where_it_would_be_stored(fields, field):
+    """Mail cannot carry U+0000 and PostgreSQL text cannot store it: refused at construction,
+    naming the field, instead of failing the caller's commit."""
+    with pytest.raises(InvalidEmail) as info:
+        Email(sender="a@example.com", to=["b@example.com"], **fields)
+    assert info.value.field == field
+    assert "NUL" in info.value.reason
+
+
+def test_the_six_characters_backslash_u0000_are_ordinary_text():
+    message = Email(
+        sender="a@example.com", to=["b@example.com"], template="t", template_data={"x": "\\u0000"}
+    )
+    assert message.template_data["x"] == "\\u0000"
