@@ -209,6 +209,10 @@ class EnqueueResult:
         """Record that the row written was rolled back, and why."""
         self._id, self._failure, self._resolve = None, reason, None
 
+    def pend(self, resolve: Callable[[EnqueueResult], None]) -> None:
+        """Record that the row is buffered again, to be written by ``resolve``."""
+        self._id, self._failure, self._resolve = None, None, resolve
+
     def _written(self) -> tuple[int, bool]:
         if self._id is None and self._resolve is not None:
             self._resolve(self)
@@ -317,7 +321,9 @@ def insert_messages(
             check_packet_size(conn, email, row)
         return _insert_mysql_batch(conn, rows, emails, fresh)
     if dialect == "sqlite" and conn.dialect.insert_returning:
-        return _insert_sqlite(conn, rows)  # one statement, all or nothing: no savepoint
+        if len(rows) <= _ROWS_PER_STATEMENT:
+            return _insert_sqlite(conn, rows)  # one statement, all or nothing: no savepoint
+        return _under_savepoint(conn, lambda: _insert_sqlite(conn, rows))
     return _under_savepoint(conn, lambda: [_insert_plain(conn, row, _existing) for row in rows])
 
 
@@ -376,6 +382,8 @@ def _existing_ids(conn: sa.Connection, keys: Iterable[str]) -> dict[str, int]:
 
 _insert_many_returning = sa.insert(messages).values(_values).returning(messages.c.id, _KEY)
 _MULTI_ROW_BYTES = 1_000_000  # a multi-row INSERT stays under any likely max_allowed_packet
+# SQLAlchemy sends an executemany of more rows as several INSERTs (insertmanyvalues pages)
+_ROWS_PER_STATEMENT = 1000
 
 
 def _insert_mysql_batch(
@@ -393,23 +401,28 @@ def _insert_mysql_batch(
     multi = (
         getattr(conn.dialect, "is_mariadb", False)
         and conn.dialect.insert_returning
-        and len(generated) > 1
+        and 1 < len(generated) <= _ROWS_PER_STATEMENT
         and sum(_size(e) for e in emails) <= _MULTI_ROW_BYTES
     )
     statements = (1 if multi else len(generated)) + 3 * (len(rows) - len(generated))
 
     def work() -> list[tuple[int, bool]]:
         found: dict[str, tuple[int, bool]] = {}
-        if multi:
-            inserted = conn.execute(_insert_many_returning, generated).all()
-            found.update((key, (int(id_), False)) for id_, key in inserted)
-        else:
-            for row in generated:
-                new_id = conn.execute(_insert, row).inserted_primary_key
-                assert new_id is not None
-                found[row["idempotency_key"]] = (int(new_id[0]), False)
+        try:
+            if multi:
+                inserted = conn.execute(_insert_many_returning, generated).all()
+                found.update((key, (int(id_), False)) for id_, key in inserted)
+            else:
+                for row in generated:
+                    new_id = conn.execute(_insert, row).inserted_primary_key
+                    assert new_id is not None
+                    found[row["idempotency_key"]] = (int(new_id[0]), False)
+        except IntegrityError:
+            # A generated key someone else wrote (it was shown in an EnqueueResult before the
+            # flush): InnoDB rolled back that statement alone; those rows go the careful way.
+            found = {key: value for key, value in found.items() if not multi}
         transaction = conn.get_transaction()
-        if generated and transaction is not None:
+        if found and transaction is not None:
             _inserted.setdefault(transaction, set()).update(found)
         for row in rows:
             if row["idempotency_key"] not in found:

@@ -60,8 +60,9 @@ _RuleFunction = Callable[[Any], Email | None]
 _SessionTarget = sessionmaker[Any] | async_sessionmaker[Any] | type[Session] | type[AsyncSession]
 
 _BIND_ARGS = {"clause": messages}
-_PENDING = "outbox.pending"  # session.info: the rows buffered for the next flush
-_WRITTEN = "outbox.written"  # session.info: (transaction, result) written, not yet committed
+_BUFFER = "outbox.buffer"  # session.info: the entries buffered for the next flush
+_MARKER = "outbox.marker"  # session.info: the session's placeholder object
+_WRITTEN = "outbox.written"  # session.info: (transaction, entry) written, not yet committed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,23 +75,19 @@ class _Entry:
     category: Category
     result: EnqueueResult
     generated: bool = False  # its key came from new_key(): no other transaction can have it
+    transaction: SessionTransaction | None = None  # innermost at enqueue: root or savepoint
     same_as: EnqueueResult | None = None  # an earlier entry of the same batch with this key
 
 
-class _Pending:
-    """A session's buffered rows and their placeholder (see the module's docstring). It is
-    mapped to a table that does not exist, so if it ever reached the ORM's own flush, that
-    flush would fail loudly instead of writing anything. ``transaction`` is the innermost
-    session transaction (root or savepoint) the rows were enqueued in."""
-
-    entries: list[_Entry]
-    by_key: dict[str, EnqueueResult]
-    transaction: SessionTransaction | None
+class _Marker:
+    """The placeholder that keeps a session with buffered rows from looking clean (see the
+    module's docstring). It is mapped to a table that does not exist, so if it ever reached
+    the ORM's own flush, that flush would fail loudly instead of writing anything."""
 
 
 _placeholders = registry()
 _placeholders.map_imperatively(
-    _Pending,
+    _Marker,
     sa.Table(
         "outbox_pending_placeholder",
         _placeholders.metadata,
@@ -112,47 +109,82 @@ def _within(transaction: SessionTransaction | None, ended: SessionTransaction) -
     return False
 
 
-def _write_pending(session: Session) -> None:
+def _buffer_of(session: Session) -> list[_Entry]:
+    buffer: list[_Entry] = session.info.setdefault(_BUFFER, [])
+    return buffer
+
+
+def _mark(session: Session) -> None:
+    """Put the placeholder among the session's new objects (again, if it was expunged)."""
+    marker = session.info.get(_MARKER)
+    if marker is None:
+        marker = session.info[_MARKER] = _Marker()
+    state = sa.inspect(marker)
+    if not (state.pending and state.session is session):
+        session.add(marker)  # also begins the session's transaction if it had none
+
+
+def _unmark(session: Session) -> None:
+    marker = session.info.get(_MARKER)
+    if marker is not None:
+        state = sa.inspect(marker)
+        if state.pending and state.session is session:
+            session.expunge(marker)
+
+
+def _write_buffered(session: Session) -> None:
     """Write the session's buffered rows now, and take the placeholder out of the session."""
-    pending: _Pending | None = session.info.pop(_PENDING, None)
-    if pending is None:
-        return
-    state = sa.inspect(pending)
-    if state.pending and state.session is session:
-        session.expunge(pending)
-    _write(session, pending.entries)
+    entries = session.info.pop(_BUFFER, None)
+    _unmark(session)
+    if entries:
+        _write(session, entries)
 
 
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: object) -> None:
-    _write_pending(session)
+    _write_buffered(session)
 
 
 def _before_commit(session: Session) -> None:
     """Also at the commit (and a savepoint's release): the placeholder may be gone (an
     ``expunge_all()``) while the rows are still the transaction's to write."""
-    _write_pending(session)
+    _write_buffered(session)
 
 
 def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
-    """Drop what a rollback undid: buffered rows enqueued in the rolled-back transaction or
-    savepoint, and the results of rows written there."""
+    """Drop what a rollback undid: rows buffered in the rolled-back transaction or savepoint
+    are never written, rows written there stop being claimed by their results. A row enqueued
+    outside the savepoint but written inside it (its placeholder had been expunged) goes back
+    to the buffer, to be written again in the transaction it belongs to."""
     boundary: SessionTransaction | None = previous_transaction
     while boundary is not None and not (boundary.parent is None or boundary.nested):
         boundary = boundary.parent  # a flush's subtransaction rolls back its savepoint or root
     if boundary is None:
         return
-    pending: _Pending | None = session.info.get(_PENDING)
-    if pending is not None and _within(pending.transaction, boundary):
-        del session.info[_PENDING]
-        _drop(session, pending, "the transaction or savepoint it was enqueued in was rolled back")
-    written: list[tuple[SessionTransaction | None, EnqueueResult]] = session.info.get(_WRITTEN, [])
-    kept = []
-    for transaction, result in written:
-        if _within(transaction, boundary):
-            result.undo("it was written, then its transaction or savepoint was rolled back")
+    buffer = session.info.get(_BUFFER, [])
+    kept = [entry for entry in buffer if not _within(entry.transaction, boundary)]
+    for entry in buffer:
+        if _within(entry.transaction, boundary):
+            entry.result.fail("the transaction or savepoint it was enqueued in was rolled back")
+    written: list[tuple[SessionTransaction | None, _Entry]] = session.info.get(_WRITTEN, [])
+    still = []
+    for write_transaction, entry in written:
+        if not _within(write_transaction, boundary):
+            still.append((write_transaction, entry))
+        elif _within(entry.transaction, boundary):
+            entry.result.undo("it was written, then its transaction or savepoint was rolled back")
         else:
-            kept.append((transaction, result))
-    written[:] = kept
+            entry.result.undo("its write was rolled back with a savepoint; it is buffered again")
+            entry.result.pend(_resolver(session))
+            entry.same_as = None
+            kept.append(entry)
+    written[:] = still
+    if kept:
+        session.info[_BUFFER] = kept
+        if session.is_active:
+            _mark(session)
+    else:
+        session.info.pop(_BUFFER, None)
+        _unmark(session)
 
 
 def _after_commit(session: Session) -> None:
@@ -165,21 +197,11 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
     written in it can be written or kept any more."""
     if transaction.parent is not None:
         return
-    pending: _Pending | None = session.info.pop(_PENDING, None)
-    if pending is not None:
-        _drop(
-            session, pending, "its transaction was rolled back or closed before the row was written"
-        )
-    for _, result in session.info.pop(_WRITTEN, []):
-        result.undo("its transaction was rolled back or closed without a commit")
-
-
-def _drop(session: Session, pending: _Pending, reason: str) -> None:
-    state = sa.inspect(pending)
-    if state.pending and state.session is session:
-        session.expunge(pending)
-    for entry in pending.entries:
-        entry.result.fail(reason)
+    _unmark(session)
+    for entry in session.info.pop(_BUFFER, []):
+        entry.result.fail("its transaction was rolled back or closed before it was written")
+    for _, entry in session.info.pop(_WRITTEN, []):
+        entry.result.undo("its transaction was rolled back or closed without a commit")
 
 
 for _name, _listener in (
@@ -196,6 +218,7 @@ for _name, _listener in (
 def _write(session: Session, entries: list[_Entry]) -> None:
     """Write ``entries`` in one batch on the session's connection and settle their results;
     on any error none is written, each result says why, and the error propagates."""
+    entries = _deduplicated(entries)
     fresh = [entry for entry in entries if entry.same_as is None]
     try:
         conn = session.connection(bind_arguments=_BIND_ARGS)
@@ -217,9 +240,14 @@ def _write(session: Session, entries: list[_Entry]) -> None:
         if entry.same_as is not None:
             entry.result.settle(entry.same_as.id, True)
         result = entry.result
-        record.append((transaction, result))
+        record.append((transaction, entry))
         signal = signals.duplicate_skipped if result.duplicate else signals.enqueued
         signal.send(entry.outbox, result=result, category=entry.category.name)
+
+
+def _resolver(session: Session) -> Callable[[EnqueueResult], None]:
+    owner = weakref.ref(session)
+    return lambda result: _resolve(result, owner)
 
 
 def _resolve(result: EnqueueResult, owner: weakref.ref[Session]) -> None:
@@ -228,14 +256,17 @@ def _resolve(result: EnqueueResult, owner: weakref.ref[Session]) -> None:
     if session is None:
         result.fail("its session was discarded before the row was written")
         return
+    if session._flushing:
+        raise EnqueueNotWritten(
+            result.key, "a flush of its session is writing it; read the result after the flush"
+        )
     if _on_async_driver(session) and not in_greenlet():
         raise EnqueueNotWritten(
             result.key,
             "the AsyncSession has not flushed yet; `await session.flush()` (or the commit) "
             "writes it",
         )
-    if not session._flushing:
-        _write_pending(session)
+    _write_buffered(session)
     if not result.written:
         result.fail("it was never written")
 
@@ -257,12 +288,12 @@ def _buffer(session: Session, entries: list[_Entry]) -> None:
     a rule), or with a session bound to a Connection (whose transaction the app may commit
     without the session), write them at once."""
     bind = session.get_bind(clause=messages)  # no bind for the table raises here, not later
-    transaction = session.get_transaction()
+    transaction = _innermost(session)
     if transaction is not None and not transaction.is_active:
         raise sa.exc.InvalidRequestError(
-            "enqueue() on a session whose transaction is no longer active (committed, or "
-            "rolled back by a failed flush): the email would not be part of it; roll back, "
-            "or enqueue in the next transaction"
+            "enqueue() on a session whose transaction or savepoint is no longer active "
+            "(committed, or rolled back by a failed flush): the email would not be part of "
+            "it; roll it back, or enqueue in the next transaction"
         )
     dialect = bind.dialect
     mysql = dialect.name in ("mysql", "mariadb") and not dialect.is_async
@@ -271,30 +302,24 @@ def _buffer(session: Session, entries: list[_Entry]) -> None:
         for entry in entries:
             check_packet_size(conn, entry.email, entry.row)
     if session._flushing or isinstance(bind, sa.Connection):
-        _write(session, _deduplicated(entries, {}))
+        for entry in entries:
+            entry.transaction = _innermost(session)
+        _write(session, entries)
         return
-    pending: _Pending | None = session.info.get(_PENDING)
-    if pending is None:
-        pending = _Pending()
-        pending.entries = []
-        pending.by_key = {}
-        session.add(pending)  # begins the session's transaction if it had none
-        pending.transaction = _innermost(session)
-        session.info[_PENDING] = pending
-    else:
-        state = sa.inspect(pending)
-        if not (state.pending and state.session is session):
-            session.add(pending)  # expunged (expunge_all): the next flush must still run
-    pending.entries.extend(_deduplicated(entries, pending.by_key))
+    _mark(session)
+    transaction = _innermost(session)
+    for entry in entries:
+        entry.transaction = transaction
+    _buffer_of(session).extend(entries)
 
 
-def _deduplicated(entries: list[_Entry], by_key: dict[str, EnqueueResult]) -> list[_Entry]:
+def _deduplicated(entries: list[_Entry]) -> list[_Entry]:
     """Mark each entry whose key an earlier entry of the same batch has: it is that one's
     duplicate, and is not written itself."""
+    by_key: dict[str, EnqueueResult] = {}
     for entry in entries:
         first = by_key.setdefault(entry.result.key, entry.result)
-        if first is not entry.result:
-            entry.same_as = first
+        entry.same_as = None if first is entry.result else first
     return entries
 
 
@@ -514,8 +539,7 @@ class Outbox:
         expires_at: datetime | None,
     ) -> _Entry:
         row, cat = self._row(email, key, category, priority, not_before, expires_at)
-        owner = weakref.ref(session)
-        result = EnqueueResult(key=row["idempotency_key"], resolve=lambda r: _resolve(r, owner))
+        result = EnqueueResult(key=row["idempotency_key"], resolve=_resolver(session))
         return _Entry(
             outbox=self, row=row, email=email, category=cat, result=result, generated=key is None
         )

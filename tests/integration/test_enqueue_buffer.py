@@ -374,3 +374,107 @@ def test_the_apps_own_flush_and_commit_listeners_never_see_the_placeholder(engin
     assert "Order" in seen
     assert "_Pending" not in seen
     assert [r.idempotency_key for r in rows(engine)] == ["k1"]
+
+
+def test_after_expunge_all_a_savepoint_still_drops_only_its_own_rows(engine, Sessions, ob):
+    """The placeholder was expunged, so ``begin_nested()`` had nothing to flush: the rows
+    enqueued before it still belong to the enclosing transaction, those inside to the
+    savepoint, wherever they end up being written."""
+    with Sessions() as session, session.begin():
+        before = ob.enqueue(session, email(1), key="before")
+        session.expunge_all()
+        savepoint = session.begin_nested()
+        inside = ob.enqueue(session, email(2), key="inside")
+        assert before.id  # written inside the savepoint, though enqueued outside it
+        savepoint.rollback()
+        assert not inside.written
+        assert not before.written  # its write was rolled back; it is buffered again
+    assert before.duplicate is False
+    assert [r.idempotency_key for r in rows(engine)] == ["before"]
+
+
+def test_reading_a_result_while_its_session_flushes_says_so(engine, ob):
+    """A listener that runs ahead of the outbox's own (insert=True on the app's Session class)
+    reads a result the flush is about to write: it is told so, and the result is not marked
+    as lost."""
+    seen: list[str] = []
+
+    class AppSession(Session):
+        pass
+
+    @event.listens_for(AppSession, "before_flush", insert=True)
+    def early(session, flush_context, instances):
+        try:
+            result.id  # noqa: B018 - reading it is the test
+        except EnqueueNotWritten as exc:
+            seen.append(exc.reason)
+
+    with AppSession(engine) as session, session.begin():
+        result = ob.enqueue(session, email(1), key="k1")
+        session.add(Order(id=1, customer="ada"))
+        session.flush()
+    assert seen == ["a flush of its session is writing it; read the result after the flush"]
+    assert result.duplicate is False
+
+
+def test_enqueue_in_a_savepoint_a_failed_flush_deactivated_is_refused(Sessions, ob):
+    with Sessions() as session, session.begin():
+        session.add(Order(id=1, customer="ada"))
+        session.flush()
+        savepoint = session.begin_nested()
+        session.add(Order(id=1, customer="again"))  # the same primary key: the flush fails
+        with pytest.raises(sa.exc.IntegrityError):
+            session.flush()
+        with pytest.raises(sa.exc.InvalidRequestError) as info:
+            ob.enqueue(session, email(1), key="k1")
+        assert "no longer active" in str(info.value)
+        savepoint.rollback()
+        kept = ob.enqueue(session, email(2), key="k2")
+    assert kept.duplicate is False
+
+
+def test_a_generated_key_another_transaction_committed_is_a_duplicate(server_backend, ob):
+    """A generated key is shown in the result before the flush; if another transaction commits
+    it first, the caller still gets a duplicate and commits (MariaDB writes generated keys
+    without the named lock, and falls back to it)."""
+    Sessions = sessionmaker(server_backend.engine)
+    with Sessions() as session, session.begin():
+        session.add(Order(id=1, customer="ada"))
+        first, second = ob.enqueue_many(session, [email(1), email(2)])
+        with Sessions.begin() as other:
+            taken = ob.enqueue(other, email(3), key=first.key)
+    assert (first.id, first.duplicate) == (taken.id, True)
+    assert second.duplicate is False
+    assert sorted(r.idempotency_key for r in rows(server_backend.engine)) == sorted(
+        [first.key, second.key]
+    )
+
+
+def test_a_batch_over_one_insert_statement_is_still_all_or_nothing(tmp_path, ob):
+    """SQLite writes a batch as one INSERT without a savepoint; past 1000 rows SQLAlchemy sends
+    several, so the batch takes a savepoint again: a failure in the last leaves none."""
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'pages.db'}")
+    enable_savepoints(engine)
+    try:
+        from outbox.schema import metadata
+
+        metadata.create_all(engine)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE TRIGGER refuse BEFORE INSERT ON outbox_messages "
+                "WHEN NEW.idempotency_key = 'k1500' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+            )
+        with Session(engine) as session:
+            results = ob.enqueue_many(
+                session, [email(n) for n in range(1600)], keys=[f"k{n}" for n in range(1600)]
+            )
+            with pytest.raises(sa.exc.IntegrityError):
+                session.flush()
+            assert session.in_transaction()
+            session.commit()
+        assert not results[0].written
+        with engine.connect() as conn:
+            count = conn.execute(sa.select(sa.func.count()).select_from(messages)).scalar_one()
+        assert count == 0
+    finally:
+        engine.dispose()
