@@ -2,15 +2,17 @@
 and runs declarative rules from SQLAlchemy session events.
 
 ``enqueue`` touches no database: it validates the email, builds its row and buffers it in the
-session. The session's next flush writes every buffered row in one batch (one statement on
-PostgreSQL and SQLite) under one savepoint. While rows are buffered, a placeholder object sits
-in the session's new objects, so the session is never "clean" and every flush runs: an explicit
-``flush()``, an autoflush before a query, the flush ``begin_nested()`` does before its
-SAVEPOINT, and the commit's. The placeholder is also how a rollback drops the buffer: the
-session expunges the new objects of a rolled-back transaction or savepoint, the placeholder
-with them, and rows buffered there are never written. A flush event listener on every
-``Session`` (installed when this module is imported) takes the placeholder out before the ORM
-sees it and writes its rows. Rules write their rows at the end of the flush that made them.
+session, noting the transaction or savepoint it was enqueued in. The session's next flush
+writes every buffered row in one batch (one statement on PostgreSQL and SQLite) under one
+savepoint. While rows are buffered, a placeholder object sits among the session's new objects,
+so the session is never "clean" and every flush runs: an explicit ``flush()``, an autoflush
+before a query, the flush ``begin_nested()`` does before its SAVEPOINT, and the commit's.
+Listeners on every ``Session`` (installed when this module is imported, ahead of the app's
+own) write the buffer before each flush and commit, taking the placeholder out before the ORM
+or the app sees it; after a rollback they drop the rows buffered in the rolled-back
+transaction or savepoint and unclaim the results of rows written there. Rules write their rows
+at the end of the flush that made them. A session bound to a Connection writes at once: its
+app may commit that connection's transaction without ever committing the session.
 """
 
 from __future__ import annotations
