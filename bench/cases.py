@@ -672,7 +672,7 @@ def enqueue(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
         app.dispose()
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     mean = {k: statistics.fmean(v) * 1000 for k, v in times.items()}
-    return [
+    results = [
         Result(
             benchmark="enqueue 1 email" if emails == 1 else f"enqueue {emails} emails",
             database=db,
@@ -685,6 +685,72 @@ def enqueue(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
             details={"transactions": len(times[emails]), "mean_ms": mean},
         )
         for emails, limit in ENQUEUE_TARGETS.items()
+    ]
+    if engine.dialect.driver == "psycopg":
+        results.extend(_enqueue_floor(engine, sizes, db))
+    return results
+
+
+def _enqueue_floor(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    """What the database itself charges for the outbox rows: the same order insert, and the
+    same batch statement with its savepoint in one pipeline, sent by hand on a psycopg
+    connection (no ORM, no SQLAlchemy, rows built once), against the order insert alone."""
+    from outbox.enqueue import _as_json, _pipeline_statement  # the statement enqueue sends
+
+    outbox = Outbox()
+    rows = {
+        n: [outbox._row(EMAIL, None, None, 0, None, None)[0] for _ in range(n)]
+        for n in (1, 10, 100)
+    }
+    order_sql = "INSERT INTO bench_orders (customer, total, created_at) VALUES (%s, 42, now())"
+    with engine.connect() as conn:
+        sql, params = _pipeline_statement(conn)
+    raw_conn = engine.raw_connection()
+    raw: Any = raw_conn.driver_connection
+    times: dict[int, list[float]] = {0: [], 1: [], 10: [], 100: []}
+
+    def txn(emails: int, i: int) -> float:
+        batch = ""
+        if emails:
+            for row in rows[emails]:
+                row["idempotency_key"] = f"floor:{i}:{emails}:{id(row)}"
+            batch = _as_json(rows[emails])
+        began = time.perf_counter()
+        raw.execute(order_sql, (f"f{i}",))
+        if emails:
+            with raw.pipeline():
+                raw.execute("SAVEPOINT outbox_batch")
+                cursor = raw.execute(sql, {**params, "rows": batch})
+                raw.execute("RELEASE SAVEPOINT outbox_batch")
+            cursor.fetchall()
+        raw.commit()
+        return time.perf_counter() - began
+
+    try:
+        for i in range(10):
+            for variant in (0, 1, 10):
+                txn(variant, -1 - i)
+        for i in range(sizes.enqueue):
+            order = [v for v in times if v != 100 or i % 5 == 0]
+            random.shuffle(order)
+            for variant in order:
+                times[variant].append(txn(variant, i))
+    finally:
+        raw_conn.close()
+    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    return [
+        Result(
+            benchmark=f"enqueue {emails} email{'s' if emails > 1 else ''}, floor",
+            database=db,
+            value=med[emails],
+            baseline=med[0],
+            unit="ms/txn",
+            ratio=med[emails] / med[0],
+            target="reported",
+            met=None,
+            details={"transactions": len(times[emails])},
+        )
+        for emails in (1, 10, 100)
     ]
 
 
