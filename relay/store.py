@@ -22,7 +22,7 @@ import random
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -755,7 +755,7 @@ def _utc_text(value: datetime | None) -> str | None:
         return None
     if value.tzinfo is None or value.utcoffset() is None:
         raise ValueError(f"naive datetime {value!r}: outbox timestamps must be timezone-aware")
-    return value.isoformat()
+    return value.astimezone(UTC).isoformat()  # an offset with seconds is not ISO 8601 text
 
 
 def record_attempts(conn: sa.Connection, records: Iterable[AttemptRecord]) -> None:

@@ -231,11 +231,16 @@ class Relay:
         setting = self.config.max_send_rate
         if setting != "auto":
             return setting
-        rate = self.sender.max_send_rate()
+        try:
+            rate = self.sender.max_send_rate()
+        except Exception as exc:  # a custom sender's bug must not stop the relay starting
+            rate, why = None, f"an error reading the account rate ({type(exc).__name__}: {exc})"
+        else:
+            why = "no account rate" if rate is None else f"an unusable account rate {rate!r}"
         if not valid_send_rate(rate):  # None, or a value no limit can be built on
             _log.warning(
                 "--max-send-rate auto: the sender reports %s; using %g/s",
-                "no account rate" if rate is None else f"an unusable account rate {rate!r}",
+                why,
                 _AUTO_RATE_FALLBACK,
                 extra={"action": "send_rate"},
             )
@@ -1174,13 +1179,33 @@ def _end_idle_transactions(conn: sa.Connection, seconds: float) -> None:
     conn.commit()
 
 
+def _storable(value: str | None) -> str | None:
+    """``value`` as text every database stores: a NUL (which PostgreSQL text refuses) and a
+    lone surrogate (which no UTF-8 column takes) written as escapes. A sender's error text or
+    provider id is not ours to trust, and a value the row cannot hold would leave a send that
+    was accepted unsaved, to be swept as ambiguous."""
+    if value is None or (value.isprintable() and value.isascii()):
+        return value
+    if "\x00" in value:
+        value = value.replace("\x00", "\\x00")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
 def _fitted(decision: Decision) -> Decision:
     """``decision`` with its code, message and provider id cut to what their columns hold (a
-    provider id too long for its column is kept whole in the message)."""
-    code, text, provider_id = decision.code, decision.message, decision.provider_message_id
-    if provider_id is not None and len(provider_id) > _ID_CHARS:
-        text = f"provider message id: {provider_id}; {text or ''}"
-        provider_id = provider_id[:_ID_CHARS]
+    provider id too long for its column, or one with characters no column stores, is kept
+    whole in the message, escaped)."""
+    code = _storable(decision.code)
+    text = _storable(decision.message)
+    provider_id = decision.provider_message_id
+    stored_id = _storable(provider_id)
+    if provider_id is not None and (stored_id != provider_id or len(provider_id) > _ID_CHARS):
+        text = f"provider message id: {stored_id}; {text or ''}"
+        provider_id = None if stored_id is None else stored_id[:_ID_CHARS]
     if code is not None and len(code) > _CODE_CHARS:
         code = code[:_CODE_CHARS]
     if text is not None and len(text) > _TEXT_CHARS:

@@ -537,3 +537,32 @@ def test_a_row_swept_and_reclaimed_while_its_first_call_runs_keeps_both_results(
         ("stale:accepted", f"ses-{mid}-1"),
         ("accepted", f"ses-{mid}-2"),
     ]
+
+
+def test_text_a_sender_returns_that_no_column_stores_is_escaped_not_left_unsaved(backend):
+    """A provider id or an error text with a NUL (PostgreSQL text refuses it) or a lone
+    surrogate: the outcome is saved with the value escaped (the id whole in the message), never
+    left unsaved for the sweep to park an accepted send as ambiguous."""
+    ids = enqueue(backend.engine, 3)
+
+    def odd(message: OutgoingMessage):
+        if message.id == ids[0]:
+            return Accepted(provider_message_id="id\x00tail")
+        if message.id == ids[1]:
+            return Accepted(provider_message_id="id\udcfftail")
+        raise RuntimeError("broken \x00 sender")
+
+    relay = relay_for(backend, FakeSender(odd))
+    settle(relay)
+    assert statuses(backend.engine) == {
+        ids[0]: "sent",
+        ids[1]: "sent",
+        ids[2]: "unknown_outcome",
+    }
+    first, second = row(backend.engine, ids[0]), row(backend.engine, ids[1])
+    assert first.provider_message_id == "id\\x00tail"
+    assert second.provider_message_id == "id\\udcfftail"
+    (accepted,) = attempt_rows(backend.engine, ids[0])
+    assert accepted.error_message.startswith("provider message id: id\\x00tail")
+    (failed,) = attempt_rows(backend.engine, ids[2])
+    assert "\\x00" in failed.error_message

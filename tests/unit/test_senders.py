@@ -216,3 +216,30 @@ def test_the_smtp_security_flag_takes_any_case_as_its_variable_does(given):
     assert SmtpSettings.from_env(
         {"OUTBOX_SMTP_HOST": "h", "OUTBOX_SMTP_SECURITY": given}
     ).security == (given.lower())
+
+
+def test_a_sender_whose_account_rate_raises_runs_at_the_fallback_rate(tmp_path, caplog):
+    """``--max-send-rate auto`` with a custom sender whose max_send_rate() raises: the relay
+    starts at the fallback rate with a warning naming the error, and delivers."""
+    import logging
+
+    import sqlalchemy as sa
+
+    from outbox import Outbox, migrations
+    from relay.testing import run_until_idle
+
+    class RateRaises(SendOnly):
+        def max_send_rate(self) -> float | None:
+            raise RuntimeError("account lookup broke")
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'outbox.db'}")
+    migrations.upgrade(engine)
+    with sa.orm.Session(engine) as session, session.begin():
+        ids = [Outbox().enqueue(session, MESSAGE.email, key=f"k{n}").id for n in range(2)]
+    given = RateRaises()
+    caplog.set_level(logging.WARNING, logger="relay")
+    run_until_idle(engine, given, max_send_rate="auto")
+    assert sorted(given.sent) == sorted(ids)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("account lookup broke" in w and "using 1/s" in w for w in warnings), warnings
+    engine.dispose()
