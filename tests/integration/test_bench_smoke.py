@@ -55,11 +55,14 @@ def test_bench_runs_and_reports_a_ratio_per_benchmark(backend_name, request, tmp
     assert any(name.startswith("latency p99") for name in benchmarks)
     peer = "pgqueuer" if backend_name == "postgresql" else "floor"
     cost_rows = {f"statements/msg vs {peer}", f"CPU s/1k msgs vs {peer}"}
+    floors = {"enqueue 1 email, floor", "enqueue 10 emails, floor", "enqueue 100 emails, floor"}
     if backend_name == "postgresql":
         assert "claim, dead tuples" in benchmarks
+        assert floors <= benchmarks  # what the database itself charges for the outbox rows
         cost_rows |= {"drain vs pgqueuer b50", "WAL bytes/msg vs pgqueuer"}
     else:
         assert not any("pgqueuer" in name or "WAL" in name for name in benchmarks)
+        assert not floors & benchmarks
     assert cost_rows <= benchmarks
     for result in report["results"]:
         if result["benchmark"] in cost_rows:

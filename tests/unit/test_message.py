@@ -602,7 +602,8 @@ ATTACHMENTS = st.builds(
     disposition=st.sampled_from(["attachment", "inline"]),
     content_id=st.none() | st.from_regex(r"[a-z0-9.@]{1,20}", fullmatch=True),
 )
-NO_NUL = st.text(st.characters(exclude_characters="\x00"))  # mail cannot carry U+0000
+# mail cannot carry U+0000 (refused at construction), and JSON text has no surrogates
+NO_NUL = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"))
 JSON = st.recursive(
     st.none()
     | st.booleans()
