@@ -526,52 +526,35 @@ def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
         "wal": "pg_walinspect records of this database and their transactions' commits",
         "cpu": "process CPU (user + system, all threads) over the drain, startup excluded",
     }
-    results.append(
-        Result(
-            benchmark=f"statements/msg vs {peer}",
+
+    def cost(
+        name: str, measure: str, unit: str, details: dict[str, Any], *, judged: bool = False
+    ) -> Result:
+        """One per-message cost, relay against the peer; ``judged``: met when lower."""
+        ratio = _ratio(mine[measure], theirs[measure])
+        return Result(
+            benchmark=f"{name} vs {peer}",
             database=db,
-            value=mine["statements_per_msg"] or 0.0,
-            baseline=theirs["statements_per_msg"] or 0.0,
-            unit="stmt",
-            ratio=_ratio(mine["statements_per_msg"], theirs["statements_per_msg"]),
-            target="(reported)",
-            met=None,
-            details=costs,
+            value=mine[measure] or 0.0,
+            baseline=theirs[measure] or 0.0,
+            unit=unit,
+            ratio=ratio,
+            target="< pgqueuer's" if judged else "(reported)",
+            met=ratio < 1.0 if judged else None,
+            details=details,
         )
-    )
+
+    results.append(cost("statements/msg", "statements_per_msg", "stmt", costs))
     if pg:
+        cluster = {
+            "relay": _per(relay_cost.wal_bytes_cluster, n),
+            "pgqueuer": _per(versus.wal_bytes_cluster, n),
+        }
         results.append(
-            Result(
-                benchmark=f"WAL bytes/msg vs {peer}",
-                database=db,
-                value=mine["wal_bytes_per_msg"] or 0.0,
-                baseline=theirs["wal_bytes_per_msg"] or 0.0,
-                unit="B",
-                ratio=_ratio(mine["wal_bytes_per_msg"], theirs["wal_bytes_per_msg"]),
-                target="(reported)",
-                met=None,
-                details={
-                    "cluster_wide_bytes_per_msg": {
-                        "relay": _per(relay_cost.wal_bytes_cluster, n),
-                        "pgqueuer": _per(versus.wal_bytes_cluster, n),
-                    }
-                },
-            )
+            cost("WAL bytes/msg", "wal_bytes_per_msg", "B", {"cluster_wide_bytes_per_msg": cluster})
         )
-    cpu_ratio = _ratio(mine["cpu_seconds_per_1000"], theirs["cpu_seconds_per_1000"])
-    results.append(
-        Result(
-            benchmark=f"CPU s/1k msgs vs {peer}",
-            database=db,
-            value=mine["cpu_seconds_per_1000"] or 0.0,
-            baseline=theirs["cpu_seconds_per_1000"] or 0.0,
-            unit="s",
-            ratio=cpu_ratio,
-            target="< pgqueuer's" if pg else "(reported)",
-            met=cpu_ratio < 1.0 if pg else None,
-            details={"relay": "in-process", **({"pgqueuer": "its own process"} if pg else {})},
-        )
-    )
+    where = {"relay": "in-process", **({"pgqueuer": "its own process"} if pg else {})}
+    results.append(cost("CPU s/1k msgs", "cpu_seconds_per_1000", "s", where, judged=pg))
     return results
 
 
