@@ -142,7 +142,7 @@ _engine_log = logging.getLogger("sqlalchemy.engine")
 
 
 @functools.cache
-def _PIPELINE_SUPPORTED() -> bool:
+def _pipeline_supported() -> bool:
     try:
         import psycopg
     except ImportError:
@@ -196,20 +196,20 @@ class EnqueueResult:
         """Whether the row is written (or found as a duplicate); reading this never flushes."""
         return self._id is not None
 
-    def settle(self, id: int, duplicate: bool) -> None:
+    def _settle(self, id: int, duplicate: bool) -> None:
         """Record what the write did (called by the session's flush)."""
         self._id, self._duplicate, self._resolve = id, duplicate, None
 
-    def fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> None:
         """Record that the row will never be written, and why."""
         if self._id is None:
             self._failure, self._resolve = reason, None
 
-    def undo(self, reason: str) -> None:
+    def _undo(self, reason: str) -> None:
         """Record that the row written was rolled back, and why."""
         self._id, self._failure, self._resolve = None, reason, None
 
-    def pend(self, resolve: Callable[[EnqueueResult], None]) -> None:
+    def _pend(self, resolve: Callable[[EnqueueResult], None]) -> None:
         """Record that the row is buffered again, to be written by ``resolve``."""
         self._id, self._failure, self._resolve = None, None, resolve
 
@@ -488,12 +488,7 @@ def _insert_postgresql(
     if _pipelined(conn):
         done = _insert_pipelined(conn, todo)
         if done is not None:
-            found.update((key, (id_, False)) for id_, key in done)
-            skipped = [
-                row["idempotency_key"] for row in todo if row["idempotency_key"] not in found
-            ]
-            found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
-            todo = [row for row in todo if row["idempotency_key"] not in found]
+            todo = _after_insert(conn, todo, done, found)
             if not todo:
                 return [found[row["idempotency_key"]] for row in rows]
             # a key skipped whose row is gone (pruned in between): the general path below
@@ -523,13 +518,7 @@ def _insert_postgresql(
             outer = savepoint
         else:
             savepoint.commit()
-        found.update((key, (int(id_), False)) for id_, key, _ in inserted)
-        skipped = [row["idempotency_key"] for row in todo if row["idempotency_key"] not in found]
-        if skipped:
-            found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
-        # A key still missing conflicted with a row deleted (pruned) between the two
-        # statements: insert it again.
-        todo = [row for row in todo if row["idempotency_key"] not in found]
+        todo = _after_insert(conn, todo, [(id_, key) for id_, key, _ in inserted], found)
     if todo:
         _roll_back_outer(outer)
         raise RuntimeError(
@@ -539,6 +528,21 @@ def _insert_postgresql(
     if outer is not None:
         outer.commit()
     return [found[row["idempotency_key"]] for row in rows]
+
+
+def _after_insert(
+    conn: sa.Connection,
+    todo: list[dict[str, Any]],
+    inserted: Iterable[tuple[int, str]],
+    found: dict[str, tuple[int, bool]],
+) -> list[dict[str, Any]]:
+    """Record the (id, key) rows the insert returned and the existing rows of the keys it
+    skipped; return the rows still missing: a key that conflicted with a row deleted (pruned)
+    between the two statements, to be inserted again."""
+    found.update((key, (int(id_), False)) for id_, key in inserted)
+    skipped = [row["idempotency_key"] for row in todo if row["idempotency_key"] not in found]
+    found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
+    return [row for row in todo if row["idempotency_key"] not in found]
 
 
 _SAVEPOINT = "outbox_batch"
@@ -553,7 +557,7 @@ def _pipelined(conn: sa.Connection) -> bool:
     the connection's statements (cursor-execute listeners, such as tracing, or echo) that
     would miss statements sent past SQLAlchemy."""
     dialect = conn.dialect
-    if dialect.driver != "psycopg" or dialect.is_async or not _PIPELINE_SUPPORTED():
+    if dialect.driver != "psycopg" or dialect.is_async or not _pipeline_supported():
         return False
     dispatch = conn.dispatch
     if dispatch.before_cursor_execute or dispatch.after_cursor_execute:

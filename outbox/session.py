@@ -111,11 +111,6 @@ def _within(transaction: SessionTransaction | None, ended: SessionTransaction) -
     return False
 
 
-def _buffer_of(session: Session) -> list[_Entry]:
-    buffer: list[_Entry] = session.info.setdefault(_BUFFER, [])
-    return buffer
-
-
 def _mark(session: Session) -> None:
     """Put the placeholder among the session's new objects (again, if it was expunged)."""
     marker = session.info.get(_MARKER)
@@ -162,22 +157,22 @@ def _after_soft_rollback(session: Session, previous_transaction: SessionTransact
         boundary = boundary.parent  # a flush's subtransaction rolls back its savepoint or root
     if boundary is None:
         return
-    buffer = session.info.get(_BUFFER, [])
-    kept = [entry for entry in buffer if not _within(entry.transaction, boundary)]
-    for entry in buffer:
+    kept = []
+    for entry in session.info.get(_BUFFER, []):
         if _within(entry.transaction, boundary):
-            entry.result.fail("the transaction or savepoint it was enqueued in was rolled back")
+            entry.result._fail("the transaction or savepoint it was enqueued in was rolled back")
+        else:
+            kept.append(entry)
     written: list[tuple[SessionTransaction | None, _Entry]] = session.info.get(_WRITTEN, [])
     still = []
     for write_transaction, entry in written:
         if not _within(write_transaction, boundary):
             still.append((write_transaction, entry))
         elif _within(entry.transaction, boundary):
-            entry.result.undo("it was written, then its transaction or savepoint was rolled back")
+            entry.result._undo("it was written, then its transaction or savepoint was rolled back")
         else:
-            entry.result.undo("its write was rolled back with a savepoint; it is buffered again")
-            entry.result.pend(_resolver(session))
-            entry.same_as = None
+            entry.result._undo("its write was rolled back with a savepoint; it is buffered again")
+            entry.result._pend(_resolver(session))
             kept.append(entry)
     written[:] = still
     if kept:
@@ -201,9 +196,9 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
         return
     _unmark(session)
     for entry in session.info.pop(_BUFFER, []):
-        entry.result.fail("its transaction was rolled back or closed before it was written")
+        entry.result._fail("its transaction was rolled back or closed before it was written")
     for _, entry in session.info.pop(_WRITTEN, []):
-        entry.result.undo("its transaction was rolled back or closed without a commit")
+        entry.result._undo("its transaction was rolled back or closed without a commit")
 
 
 for _name, _listener in (
@@ -224,6 +219,9 @@ def _write(session: Session, entries: list[_Entry]) -> None:
     fresh = [entry for entry in entries if entry.same_as is None]
     try:
         conn = session.connection(bind_arguments=_BIND_ARGS)
+        transaction = _innermost(session)
+        for entry in entries:  # written at once: enqueued where they are written
+            entry.transaction = entry.transaction or transaction
         written = insert_messages(
             conn,
             [e.row for e in fresh],
@@ -232,15 +230,14 @@ def _write(session: Session, entries: list[_Entry]) -> None:
         )
     except BaseException as exc:
         for entry in entries:
-            entry.result.fail(f"its write failed: {type(exc).__name__}: {exc}")
+            entry.result._fail(f"its write failed: {type(exc).__name__}: {exc}")
         raise
     for entry, (new_id, duplicate) in zip(fresh, written, strict=True):
-        entry.result.settle(new_id, duplicate)
-    transaction = _innermost(session)
+        entry.result._settle(new_id, duplicate)
     record = session.info.setdefault(_WRITTEN, [])
     for entry in entries:
         if entry.same_as is not None:
-            entry.result.settle(entry.same_as.id, True)
+            entry.result._settle(entry.same_as.id, True)
         result = entry.result
         record.append((transaction, entry))
         signal = signals.duplicate_skipped if result.duplicate else signals.enqueued
@@ -256,7 +253,7 @@ def _resolve(result: EnqueueResult, owner: weakref.ref[Session]) -> None:
     """Reading a result that is still buffered: write the session's buffered rows now."""
     session = owner()
     if session is None:
-        result.fail("its session was discarded before the row was written")
+        result._fail("its session was discarded before the row was written")
         return
     if session._flushing:
         raise EnqueueNotWritten(
@@ -270,7 +267,7 @@ def _resolve(result: EnqueueResult, owner: weakref.ref[Session]) -> None:
         )
     _write_buffered(session)
     if not result.written:
-        result.fail("it was never written")
+        result._fail("it was never written")
 
 
 def _plain(session: Session | scoped_session[Any]) -> Session:
@@ -304,15 +301,13 @@ def _buffer(session: Session, entries: list[_Entry]) -> None:
         for entry in entries:
             check_packet_size(conn, entry.email, entry.row)
     if session._flushing or isinstance(bind, sa.Connection):
-        for entry in entries:
-            entry.transaction = _innermost(session)
         _write(session, entries)
         return
-    _mark(session)
+    _mark(session)  # begins the session's transaction if it had none: tag with it
     transaction = _innermost(session)
     for entry in entries:
         entry.transaction = transaction
-    _buffer_of(session).extend(entries)
+    session.info.setdefault(_BUFFER, []).extend(entries)
 
 
 def _deduplicated(entries: list[_Entry]) -> list[_Entry]:
