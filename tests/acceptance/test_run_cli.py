@@ -172,6 +172,27 @@ def test_a_sender_factory_that_cannot_make_a_sender_is_refused(sender, tmp_path)
         engine.dispose()
 
 
+# a quick drain with the sender's own account rate
+DRAIN_AUTO = ("--poll-interval", "0.1", "--max-send-rate", "auto")
+
+
+def run_custom(
+    tmp_path: Path, url: str, sender: str, *flags: str, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """``outbox-relay run --exit-when-idle`` with a ``--sender`` module written to tmp_path."""
+    return relay(
+        "run",
+        "--database-url",
+        url,
+        "--sender",
+        sender,
+        "--exit-when-idle",
+        *flags,
+        timeout=timeout,
+        PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
+    )
+
+
 SEND_ONLY = """
 from relay.senders import Accepted
 
@@ -196,23 +217,16 @@ def test_a_factory_returning_an_object_with_only_send_delivers_with_the_defaults
     enable_savepoints(engine)
     try:
         ids = enqueue(engine, 3, prefix="acceptance")
-        done = relay(
-            "run",
-            "--database-url",
+        done = run_custom(
+            tmp_path,
             url,
-            "--sender",
             "plainsender:factory",
-            "--exit-when-idle",
-            "--poll-interval",
-            "0.1",
-            "--max-send-rate",
-            "auto",
+            *DRAIN_AUTO,
             "--http-port",
             "0",
             "--http-host",
             "127.0.0.1",
             timeout=60,
-            PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
         )
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr
@@ -322,20 +336,7 @@ def test_a_sender_whose_close_raises_and_whose_rate_is_garbage_still_delivers_an
     enable_savepoints(engine)
     try:
         ids = enqueue(engine, 3, prefix="acceptance")
-        done = relay(
-            "run",
-            "--database-url",
-            url,
-            "--sender",
-            "hostilesender:closing",
-            "--exit-when-idle",
-            "--poll-interval",
-            "0.1",
-            "--max-send-rate",
-            "auto",
-            timeout=60,
-            PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
-        )
+        done = run_custom(tmp_path, url, "hostilesender:closing", *DRAIN_AUTO, timeout=60)
         assert done.returncode == 0, done.stderr
         assert "--max-send-rate auto: the sender reports" in done.stderr
         assert "the sender failed to close" in done.stderr
@@ -349,16 +350,7 @@ def test_a_sender_whose_close_raises_and_whose_rate_is_garbage_still_delivers_an
 
 def run_hostile(tmp_path: Path, url: str, factory: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "hostilesender.py").write_text(HOSTILE.replace("RATE", "None"))
-    return relay(
-        "run",
-        "--database-url",
-        url,
-        "--sender",
-        f"hostilesender:{factory}",
-        "--exit-when-idle",
-        timeout=30,
-        PYTHONPATH=os.pathsep.join([str(tmp_path), PROJECT]),
-    )
+    return run_custom(tmp_path, url, f"hostilesender:{factory}")
 
 
 def test_a_sender_whose_close_raises_does_not_hide_a_start_up_error(tmp_path):
