@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 from outbox import (
     Category,
@@ -29,16 +29,6 @@ from tests.support.factories import email
 def order_count(engine: sa.Engine) -> int:
     with engine.connect() as conn:
         return conn.execute(sa.select(sa.func.count()).select_from(Order)).scalar_one()
-
-
-@pytest.fixture
-def ob() -> Outbox:
-    return Outbox()
-
-
-@pytest.fixture
-def Sessions(engine: sa.Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine)
 
 
 def test_commit_writes_the_row_with_the_business_change(engine, Sessions, ob):

@@ -24,16 +24,6 @@ from tests.support.db import Order, rows
 from tests.support.factories import email
 
 
-@pytest.fixture
-def ob() -> Outbox:
-    return Outbox()
-
-
-@pytest.fixture
-def Sessions(engine: sa.Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine)
-
-
 def outbox_count(session: Session) -> int:
     """Rows the session's own transaction sees, read on its connection without a flush."""
     conn = session.connection()

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
 
-from outbox import migrations
+from outbox import Outbox, migrations
 from outbox.sqlite import enable_savepoints
 from tests.support.db import (
     BACKENDS,
@@ -96,3 +97,15 @@ def postgres_backend(_backends: dict[str, Backend]) -> Iterator[Backend]:
 def engine(backend: Backend) -> sa.Engine:
     """The ``backend``'s engine."""
     return backend.engine
+
+
+@pytest.fixture
+def ob() -> Outbox:
+    """An Outbox with the default categories."""
+    return Outbox()
+
+
+@pytest.fixture
+def Sessions(engine: sa.Engine) -> sessionmaker[Session]:
+    """Sessions on the ``backend``'s engine."""
+    return sessionmaker(engine)
