@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -630,7 +631,6 @@ def enqueue(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
     reset(engine)
     app = sa.create_engine(engine.url)  # the host app's own plain engine
     outbox = Outbox()
-    times: dict[int, list[float]] = {0: [], 1: [], 10: [], 100: []}
 
     def txn(emails: int, i: int) -> float:
         began = time.perf_counter()
@@ -641,16 +641,7 @@ def enqueue(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
         return time.perf_counter() - began
 
     try:
-        for i in range(10):  # warm up the pool and statement caches
-            for variant in (0, 1, 10):
-                txn(variant, -i)
-        txn(100, -10)
-        for i in range(sizes.enqueue):
-            # the hundred-email transaction in every fifth round: it costs the most to measure
-            order = [v for v in times if v != 100 or i % 5 == 0]
-            random.shuffle(order)
-            for variant in order:
-                times[variant].append(txn(variant, i))
+        times = _interleaved(txn, sizes.enqueue)
     finally:
         app.dispose()
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
@@ -674,6 +665,23 @@ def enqueue(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
     return results
 
 
+def _interleaved(txn: Callable[[int, int], float], rounds: int) -> dict[int, list[float]]:
+    """Times of ``txn(emails, i)`` with 0, 1, 10 and 100 emails, interleaved in a random order
+    each round after a warm-up (pool, statement caches); the hundred-email transaction in
+    every fifth round only, since it costs the most to measure."""
+    times: dict[int, list[float]] = {0: [], 1: [], 10: [], 100: []}
+    for i in range(10):
+        for variant in (0, 1, 10):
+            txn(variant, -1 - i)
+    txn(100, -11)
+    for i in range(rounds):
+        order = [v for v in times if v != 100 or i % 5 == 0]
+        random.shuffle(order)
+        for variant in order:
+            times[variant].append(txn(variant, i))
+    return times
+
+
 def _enqueue_floor(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
     """What the database itself charges for the outbox rows: the same order insert, and the
     same batch statement with its savepoint in one pipeline, sent by hand on a psycopg
@@ -690,7 +698,6 @@ def _enqueue_floor(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
         sql, params = _pipeline_statement(conn)
     raw_conn = engine.raw_connection()
     raw: Any = raw_conn.driver_connection
-    times: dict[int, list[float]] = {0: [], 1: [], 10: [], 100: []}
 
     def txn(emails: int, i: int) -> float:
         batch = ""
@@ -710,14 +717,7 @@ def _enqueue_floor(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
         return time.perf_counter() - began
 
     try:
-        for i in range(10):
-            for variant in (0, 1, 10):
-                txn(variant, -1 - i)
-        for i in range(sizes.enqueue):
-            order = [v for v in times if v != 100 or i % 5 == 0]
-            random.shuffle(order)
-            for variant in order:
-                times[variant].append(txn(variant, i))
+        times = _interleaved(txn, sizes.enqueue)
     finally:
         raw_conn.close()
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
