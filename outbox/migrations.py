@@ -61,6 +61,9 @@ VIEWS = frozenset(
         "outbox_unknown_outcomes",
         "outbox_failures",
         "outbox_relay_health",
+        "outbox_delivery_summary",
+        "outbox_event_intake",
+        "outbox_operator_log",
     }
 )
 

@@ -19,19 +19,28 @@ from sqlalchemy.engine import Dialect
 
 __all__ = [
     "CLAIMABLE",
+    "DEFAULT_RECONCILE_AFTER",
     "MAX_BACKOFF_SECONDS",
+    "STORED_POLICIES",
     "TERMINAL",
     "AmbiguityPolicy",
     "AttemptOutcome",
+    "DeliveryStatus",
+    "EventType",
+    "OperatorAction",
     "RelayState",
     "Status",
+    "SuppressionReason",
     "UTCDateTime",
     "attempts",
+    "events",
     "messages",
     "metadata",
+    "operator_actions",
     "relays",
     "send_budget",
     "send_budget_lock",
+    "suppressions",
     "utcnow",
 ]
 
@@ -54,6 +63,72 @@ class AmbiguityPolicy(enum.StrEnum):
 
     HOLD = "hold"  # at most once: park as unknown_outcome for an operator
     RESEND = "resend"  # at least once: retry; a duplicate is better than a loss
+    # Held like ``hold``; requeued once, automatically, when the event intake has provably been
+    # flowing for ``reconcile_after`` seconds past the attempt without an event for it. Stored
+    # as ``ambiguity_policy = 'hold'`` with ``reconcile_after`` set (the column's CHECK predates
+    # it, and SQLite cannot change a CHECK without rebuilding the table).
+    RECONCILE = "reconcile"
+
+
+STORED_POLICIES = (AmbiguityPolicy.HOLD, AmbiguityPolicy.RESEND)
+DEFAULT_RECONCILE_AFTER = 900.0  # seconds: a reconcile category's window (15 minutes)
+
+
+class DeliveryStatus(enum.StrEnum):
+    """What the provider's events say happened after it accepted a message
+    (``outbox_messages.delivery_status``). Several events for one message (one per recipient,
+    a delay then a delivery) settle on the most serious: the later names here win over the
+    earlier ones, whatever order the events arrive in."""
+
+    DELAYED = "delayed"  # a DeliveryDelay: the receiving server has not taken it yet
+    DELIVERED = "delivered"  # the receiving server took it
+    REJECTED = "rejected"  # SES refused it after accepting the call (virus, rendering failure)
+    SUPPRESSED = "suppressed"  # SES dropped it: the address is on a suppression list
+    BOUNCED = "bounced"  # the receiving server refused it
+    COMPLAINED = "complained"  # the recipient marked it as spam
+
+    @property
+    def rank(self) -> int:
+        """Its seriousness: a status is replaced only by one of a higher rank."""
+        return _DELIVERY_RANK[self]
+
+
+_DELIVERY_RANK = {status: rank for rank, status in enumerate(DeliveryStatus, start=1)}
+
+
+class EventType(enum.StrEnum):
+    """The kinds of provider event the intake records (``outbox_events.event_type``)."""
+
+    SEND = "send"
+    DELIVERY = "delivery"
+    BOUNCE = "bounce"
+    COMPLAINT = "complaint"
+    REJECT = "reject"
+    DELIVERY_DELAY = "delivery_delay"
+    RENDERING_FAILURE = "rendering_failure"
+    OTHER = "other"  # a well-formed event of a kind that changes nothing (Open, Click, ...)
+    MALFORMED = "malformed"  # a queue message that is not an SES event
+
+
+class SuppressionReason(enum.StrEnum):
+    """Why an address is in ``outbox_suppressions``."""
+
+    BOUNCE = "bounce"  # a permanent bounce
+    COMPLAINT = "complaint"  # a complaint
+    MANUAL = "manual"  # an operator's ``suppressions add``
+    SES = "ses"  # imported from the SES account suppression list
+
+
+class OperatorAction(enum.StrEnum):
+    """What an operator did, as recorded in ``outbox_operator_actions``."""
+
+    REQUEUE = "requeue"
+    CANCEL = "cancel"
+    RESOLVE_DELIVERED = "resolve_delivered"
+    RESOLVE_NOT_DELIVERED = "resolve_not_delivered"
+    SUPPRESS = "suppress"
+    UNSUPPRESS = "unsuppress"
+    PRUNE = "prune"
 
 
 class RelayState(enum.StrEnum):
@@ -80,6 +155,10 @@ class AttemptOutcome(enum.StrEnum):
     LEASE_EXPIRED = "lease_expired"  # a sweep settled a send whose relay stopped renewing
     REQUEUED = "requeued"  # an operator's requeue
     CANCELLED = "cancelled"  # an operator's cancel
+    RESOLVED = "resolved"  # an operator's resolve --delivered
+    SUPPRESSED = "suppressed"  # every recipient is suppressed: failed, never sent
+    RECONCILED = "reconciled"  # a provider event proved an ambiguous send reached the provider
+    RECONCILE_REQUEUED = "reconcile:requeued"  # no event came while the intake flowed: requeued
     STALE_ACCEPTED = "stale:accepted"  # accepted, saved after its claim was gone
     STALE_TRANSIENT = "stale:transient"  # transient, saved after its claim was gone
     STALE_PERMANENT = "stale:permanent"  # permanent, saved after its claim was gone
@@ -191,9 +270,13 @@ messages = sa.Table(
     sa.Column("provider_message_id", sa.String(255), nullable=True),
     sa.Column("last_error_code", sa.String(100), nullable=True),
     sa.Column("last_error_message", sa.Text(), nullable=True),
+    sa.Column("delivery_status", sa.String(20), nullable=True),
+    sa.Column("delivery_status_at", UTCDateTime(), nullable=True),
+    sa.Column("reconcile_after", sa.Double(), nullable=True),
     sa.UniqueConstraint("idempotency_key"),
     sa.CheckConstraint(_in("status", tuple(Status)), name="status"),
-    sa.CheckConstraint(_in("ambiguity_policy", tuple(AmbiguityPolicy)), name="ambiguity_policy"),
+    sa.CheckConstraint(_in("ambiguity_policy", STORED_POLICIES), name="ambiguity_policy"),
+    sa.CheckConstraint(_in("delivery_status", tuple(DeliveryStatus)), name="delivery_status"),
 )
 
 # The claim reads one status at a time (pending, then retrying) in send order, so it is an index
@@ -206,6 +289,13 @@ sa.Index(
     messages.c.id,
     postgresql_where=sa.text(_in("status", CLAIMABLE)),
     sqlite_where=sa.text(_in("status", CLAIMABLE)),
+)
+# Events without the outbox's tags (identity notifications) find their row by SES message id.
+sa.Index(
+    "ix_outbox_messages_provider_message_id",
+    messages.c.provider_message_id,
+    postgresql_where=sa.text("provider_message_id IS NOT NULL"),
+    sqlite_where=sa.text("provider_message_id IS NOT NULL"),
 )
 # The sweep finds processing rows whose lease has run out.
 sa.Index(
@@ -235,6 +325,7 @@ attempts = sa.Table(
     sa.Column("error_code", sa.String(100), nullable=True),
     sa.Column("error_message", sa.Text(), nullable=True),
     sa.Column("provider_message_id", sa.String(255), nullable=True),
+    sa.Column("dropped_recipients", sa.Text(), nullable=True),  # suppressed, not sent to
 )
 
 relays = sa.Table(
@@ -264,4 +355,58 @@ send_budget_lock = sa.Table(
     "outbox_send_budget_lock",
     metadata,
     sa.Column("id", sa.SmallInteger(), primary_key=True, autoincrement=False),
+)
+
+# Every provider event the intake took from its queue, once (``event_key``: a digest of the
+# event itself, so a replay or a duplicate delivery of the same event is recorded once).
+# No bodies: SES events carry headers and addresses only, and the intake keeps neither headers
+# nor the event's text. ``message_id`` is the row it was matched to (no foreign key: a row can
+# be pruned before its late events arrive; ``tagged_message_id`` keeps what the event named).
+events = sa.Table(
+    "outbox_events",
+    metadata,
+    sa.Column("id", _BigId, sa.Identity(), primary_key=True),
+    sa.Column("event_key", sa.String(64), nullable=False),
+    sa.Column("received_at", UTCDateTime(), nullable=False),  # the database's clock
+    sa.Column("event_type", sa.String(30), nullable=False),
+    sa.Column("event_at", UTCDateTime(), nullable=True),  # SES's clock
+    sa.Column("mail_at", UTCDateTime(), nullable=True),  # SES's clock: when it took the send
+    sa.Column("provider_message_id", sa.String(255), nullable=True),
+    sa.Column("message_id", _BigId, nullable=True, index=True),
+    sa.Column("tagged_message_id", sa.String(64), nullable=True),
+    sa.Column("claim_token", sa.String(36), nullable=True),
+    sa.Column("detail", sa.String(255), nullable=True),
+    sa.Column("recipients", sa.Text(), nullable=True),
+    sa.Column("effect", sa.String(30), nullable=False),
+    sa.Column("error", sa.Text(), nullable=True),
+    sa.Column("source", sa.String(20), nullable=False),
+    sa.UniqueConstraint("event_key"),
+)
+sa.Index("ix_outbox_events_received_at", events.c.received_at)
+
+# Addresses the relay never mails (lower-cased).
+suppressions = sa.Table(
+    "outbox_suppressions",
+    metadata,
+    sa.Column("address", sa.String(320), primary_key=True),
+    sa.Column("reason", sa.String(20), nullable=False),
+    sa.Column("detail", sa.String(255), nullable=True),
+    sa.Column("event_id", _BigId, nullable=True),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("actor", sa.String(255), nullable=False),
+    sa.CheckConstraint(_in("reason", tuple(SuppressionReason)), name="reason"),
+)
+
+# Who did what, when and why: every operator command that changes rows or suppressions.
+operator_actions = sa.Table(
+    "outbox_operator_actions",
+    metadata,
+    sa.Column("id", _BigId, sa.Identity(), primary_key=True),
+    sa.Column("at", UTCDateTime(), nullable=False),
+    sa.Column("actor", sa.String(255), nullable=False),
+    sa.Column("action", sa.String(30), nullable=False),
+    sa.Column("message_id", _BigId, nullable=True, index=True),
+    sa.Column("address", sa.String(320), nullable=True),
+    sa.Column("reason", sa.Text(), nullable=True),
+    sa.Column("detail", sa.Text(), nullable=True),
 )

@@ -153,8 +153,9 @@ def _ambiguous(
     now: datetime,
     rng: random.Random,
 ) -> Decision:
-    """Hold (at most once) or retry (at least once, while attempts remain)."""
-    if state.ambiguity_policy is AmbiguityPolicy.HOLD or attempt >= state.max_attempts:
+    """Hold (at most once: ``hold`` and ``reconcile``) or retry (at least once, while attempts
+    remain)."""
+    if state.ambiguity_policy is not AmbiguityPolicy.RESEND or attempt >= state.max_attempts:
         return Decision(action=Action.HOLD, code=code, message=message)
     delay = backoff_seconds(attempt, state.backoff_base, state.backoff_cap, 0.0, rng)
     return Decision(

@@ -11,6 +11,14 @@ found, an :class:`~outbox.AttemptOutcome` (``accepted``, ``transient``, ``perman
 ``stale:`` form, ``stale_finalize`` says that), or None for a claim given back unstarted; and
 ``duration`` (seconds the provider call took; None when there was no call). Receivers should
 accept ``**kwargs``: more may be added.
+
+The event intake's signals (``delivered``, ``bounced``, ``complained``) fire after the event's
+effect committed, with ``message_id``, ``category``, ``provider_message_id``, ``recipients``
+(the addresses the event names) and ``event_at`` (SES's time); ``bounced`` also carries
+``bounce_type`` and ``bounce_subtype``, ``complained`` ``feedback_type``. The sender of these is
+the intake. ``reconciled`` fires when an ambiguous send was settled without an operator:
+``result`` is ``"sent"`` (a provider event proved SES took it; ``provider_message_id`` given) or
+``"requeued"`` (the intake flowed past the window with no event for it).
 """
 
 from __future__ import annotations
@@ -18,10 +26,14 @@ from __future__ import annotations
 from blinker import Namespace
 
 __all__ = [
+    "bounced",
     "claim_completed",
     "claimed",
+    "complained",
+    "delivered",
     "expired",
     "failed",
+    "reconciled",
     "released",
     "retry_scheduled",
     "save_failed",
@@ -53,4 +65,11 @@ save_failed = _signals.signal(
 )
 stale_finalize = _signals.signal(
     "relay.stale_finalize", doc="A finalize found its claim gone; the attempt was recorded."
+)
+delivered = _signals.signal("relay.delivered", doc="SES reported a message delivered.")
+bounced = _signals.signal("relay.bounced", doc="SES reported a bounce for a message.")
+complained = _signals.signal("relay.complained", doc="A recipient complained about a message.")
+reconciled = _signals.signal(
+    "relay.reconciled",
+    doc="An ambiguous send was settled without an operator: ``result`` is sent or requeued.",
 )

@@ -33,6 +33,11 @@ ALTER USER '${APP_USER}'@'${CLIENT_HOST}' IDENTIFIED BY '${APP_PASSWORD}';
 --   outbox_send_budget, outbox_send_budget_lock: with --max-send-rate, every send is booked
 --     (INSERT) after reading the bookings (SELECT) under the lock row (UPDATE; INSERT puts it
 --     back if it is missing); old bookings are deleted (DELETE).
+--   outbox_events: the event intake records each event once (INSERT, SELECT).
+--   outbox_suppressions: the intake adds bounced and complaining addresses, each send reads
+--     them, operators' `suppressions add/remove/import` change them (SELECT, INSERT, UPDATE,
+--     DELETE).
+--   outbox_operator_actions: every operator command records who did what (INSERT, SELECT).
 --   the views: SELECT, for `outbox-relay status` and /metrics (which reads outbox_lag).
 GRANT SELECT, UPDATE ON `${DB_NAME}`.`outbox_messages` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_attempts` TO '${RELAY_USER}'@'${CLIENT_HOST}';
@@ -47,6 +52,14 @@ GRANT SELECT ON `${DB_NAME}`.`outbox_lag` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_unknown_outcomes` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_failures` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_relay_health` TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_events` TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT, UPDATE, DELETE ON `${DB_NAME}`.`outbox_suppressions`
+    TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_operator_actions`
+    TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_delivery_summary` TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_event_intake` TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_operator_log` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 
 -- The app (outbox/enqueue.py): INSERT the message, and SELECT (LOCK IN SHARE MODE) the
 -- existing row's id when the key is a duplicate. MySQL before 8.0.22 also wants UPDATE or

@@ -55,15 +55,24 @@ GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"app_role";
 --   outbox_send_budget, outbox_send_budget_lock: with --max-send-rate, every send is booked
 --     (INSERT) after reading the bookings (SELECT) under the lock row (UPDATE; INSERT puts it
 --     back if it is missing); old bookings are deleted (DELETE).
+--   outbox_events: the event intake records each event once (INSERT, SELECT).
+--   outbox_suppressions: the intake adds bounced and complaining addresses, each send reads
+--     them, operators' `suppressions add/remove/import` change them (SELECT, INSERT, UPDATE,
+--     DELETE).
+--   outbox_operator_actions: every operator command records who did what (INSERT, SELECT).
 --   the views: SELECT, for `outbox-relay status` and /metrics (which reads outbox_lag).
 GRANT SELECT, UPDATE ON :"schema".outbox_messages TO :"relay_role";
 GRANT SELECT, INSERT ON :"schema".outbox_attempts TO :"relay_role";
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_relays TO :"relay_role";
 GRANT SELECT, INSERT, DELETE ON :"schema".outbox_send_budget TO :"relay_role";
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_send_budget_lock TO :"relay_role";
+GRANT SELECT, INSERT ON :"schema".outbox_events TO :"relay_role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_suppressions TO :"relay_role";
+GRANT SELECT, INSERT ON :"schema".outbox_operator_actions TO :"relay_role";
 GRANT SELECT ON :"schema".outbox_status_summary, :"schema".outbox_lag,
     :"schema".outbox_unknown_outcomes, :"schema".outbox_failures,
-    :"schema".outbox_relay_health
+    :"schema".outbox_relay_health, :"schema".outbox_delivery_summary,
+    :"schema".outbox_event_intake, :"schema".outbox_operator_log
     TO :"relay_role";
 
 -- The app (outbox/enqueue.py): INSERT the message (its pg_notify is allowed to everyone),

@@ -169,7 +169,7 @@ def test_a_database_without_the_schema_names_migrate(empty_url):
         assert "has no outbox schema" in line, command
         assert "run `outbox-relay migrate --database-url ...` with the same URL first" in line
     line = refusal(cli("run", empty_url))  # the relay refuses at once, before any send
-    assert "lacks the outbox tables outbox_attempts, outbox_messages" in line
+    assert "lacks the outbox tables outbox_attempts, outbox_events, outbox_messages" in line
     assert "outbox-relay migrate --database-url" in line
 
 
@@ -181,7 +181,8 @@ def test_a_database_with_part_of_the_schema_names_what_is_missing(empty_url):
     finally:
         engine.dispose()
     line = refusal(cli("status", empty_url))
-    assert "lacks the outbox tables outbox_attempts, outbox_relays" in line
+    missing = "outbox_attempts, outbox_events, outbox_operator_actions, outbox_relays"
+    assert f"lacks the outbox tables {missing}," in line
     assert "outbox_messages," not in line
     assert "outbox-relay migrate" in line
 
@@ -190,4 +191,4 @@ def test_an_unknown_revision_is_one_line_listing_the_known_ones(empty_url):
     line = refusal(cli("migrate", empty_url, extra=("--revision", "bogus")))
     assert "--revision 'bogus'" in line
     assert "Can't locate revision" in line
-    assert "use 'heads' (the default) or one of outbox_0001, outbox_0002" in line
+    assert "use 'heads' (the default) or one of outbox_0001, outbox_0002, outbox_0003" in line

@@ -27,6 +27,9 @@ TABLES = {
     "outbox_relays",
     "outbox_send_budget",
     "outbox_send_budget_lock",
+    "outbox_events",
+    "outbox_suppressions",
+    "outbox_operator_actions",
 }
 
 
@@ -60,8 +63,12 @@ def test_upgrade_downgrade_upgrade_and_no_drift(engine):
     applied, heads = migrations.current_heads(engine)
     assert applied == heads
     with engine.connect() as conn:
-        for view in migrations.VIEWS:
+        for view in migrations.VIEWS - {"outbox_event_intake"}:
             assert conn.execute(sa.text(f"SELECT * FROM {view}")).fetchall() == []
+        # The intake's health is one row, even before the first event.
+        intake = conn.execute(sa.text("SELECT * FROM outbox_event_intake")).mappings().one()
+        assert intake["events_24h"] == 0
+        assert intake["newest_received_at"] is None
 
 
 def test_status_check_constraint_refuses_unknown_status(engine):
@@ -170,7 +177,7 @@ def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout + done.stderr
 
-    assert "outbox_0002" in alembic("heads")
+    assert "outbox_0003" in alembic("heads")
     alembic("upgrade", "heads")
     engine = sa.create_engine(host_database)
     try:
@@ -180,7 +187,7 @@ def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):
             versions = {
                 r[0] for r in conn.exec_driver_sql("SELECT version_num FROM alembic_version")
             }
-        assert versions == {"host_0001", "outbox_0002"}
+        assert versions == {"host_0001", "outbox_0003"}
         # The host's autogenerate sees no drift: our objects are hidden from it.
         assert "No new upgrade operations detected" in alembic("check")
         alembic("downgrade", "outbox@base")

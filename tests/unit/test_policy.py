@@ -68,6 +68,10 @@ EXPECTED: dict[str, dict[AmbiguityPolicy, tuple[Action, ...]]] = {
     "lease_expired_started": {HOLD: (HOLD_,) * 4, RESEND: (RETRY, RETRY, HOLD_, HOLD_)},
 }
 
+# reconcile decides as hold does when the send happens; what differs comes later (the sweep).
+for _per_policy in EXPECTED.values():
+    _per_policy[AmbiguityPolicy.RECONCILE] = _per_policy[HOLD]
+
 # The delay floor each retried outcome must honour.
 FLOORS = {
     "transient": 0.0,
