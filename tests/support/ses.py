@@ -66,6 +66,7 @@ import boto3
 
 from relay.senders import OutgoingMessage
 from tests.support.factories import email
+from tests.support.ses_events import ENVELOPES, EventPublisher, EventQueue
 
 __all__ = [
     "AWS_VARIABLES",
@@ -124,9 +125,14 @@ _HOP_BY_HOP = frozenset(
 )
 
 
-def aws_env(endpoint_url: str, *, region: str = REGION) -> dict[str, str]:
+def aws_env(
+    endpoint_url: str, *, region: str = REGION, events_url: str | None = None
+) -> dict[str, str]:
     """The environment a relay process needs to reach ``endpoint_url`` as SES v2 in ``region``,
     and only it (no profile or config file of the machine, no instance metadata lookups).
+    SQS and SNS go to ``events_url`` (the moto server itself: pass ``moto.url`` when
+    ``endpoint_url`` is a :class:`FaultServer`, so the event intake's calls are not counted
+    among the proxy's requests), or to ``endpoint_url`` too when not given.
 
     Both region variables: botocore (1.44) reads only ``AWS_DEFAULT_REGION``, while other AWS
     SDKs, and ``build_client``'s own error message, name ``AWS_REGION``."""
@@ -136,6 +142,8 @@ def aws_env(endpoint_url: str, *, region: str = REGION) -> dict[str, str]:
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_ENDPOINT_URL_SESV2": endpoint_url,
+        "AWS_ENDPOINT_URL_SQS": events_url or endpoint_url,
+        "AWS_ENDPOINT_URL_SNS": events_url or endpoint_url,
         "AWS_CONFIG_FILE": "/nonexistent/aws-config",
         "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
         "AWS_EC2_METADATA_DISABLED": "true",
@@ -154,6 +162,8 @@ AWS_VARIABLES = (
     "AWS_SECURITY_TOKEN",
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_SESV2",
+    "AWS_ENDPOINT_URL_SQS",
+    "AWS_ENDPOINT_URL_SNS",
     "AWS_ROLE_ARN",
     "AWS_WEB_IDENTITY_TOKEN_FILE",
     "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
@@ -236,12 +246,24 @@ class MotoSes:
 
 class FaultPlan:
     """Which behaviour each ``SendEmail`` gets: shares per fault kind (the rest pass), drawn from
-    a seeded RNG. Thread-safe; change it while relays run with :meth:`set` or ``paused``."""
+    a seeded RNG. Thread-safe; change it while relays run with :meth:`set` or ``paused``.
+
+    The ``events_*`` attributes say how the SES events of accepted sends are published when the
+    server has an event queue (see :class:`tests.support.ses_events.EventPublisher`); they draw
+    from an RNG of their own, so turning them on leaves the faults' sequence unchanged."""
 
     def __init__(self, *, seed: int = 0, hang_seconds: float = 3.0, **shares: float) -> None:
         self._rng = random.Random(seed)
+        self._events_rng = random.Random(f"events-{seed}")
         self._lock = threading.Lock()
         self.hang_seconds = hang_seconds
+        self.events_envelope = "sns"  # one of ENVELOPES
+        self.events_delay = 0.0  # seconds before a send's events are published
+        self.events_drop = 0.0  # share of events never published
+        self.events_drop_sends = 0.0  # share of sends none of whose events is published
+        self.events_duplicate = 0.0  # share of events published twice
+        self.events_delivery_delay = 0.0  # share of delivered recipients delayed first
+        self.events_reorder = 0.0  # share of sends whose Send event comes last
         self.paused = False
         # answered to every send with that ConfigurationSetName / From address (or domain)
         self.paused_sets: set[str] = set()
@@ -277,6 +299,13 @@ class FaultPlan:
             if identity in self.denied_identities:
                 return "identity_denied", identity
         return None
+
+    def events_roll(self) -> float:
+        """One draw in [0, 1) for the event publisher's choices."""
+        if self.events_envelope not in ENVELOPES:
+            raise ValueError(f"events_envelope must be one of {ENVELOPES}: {self.events_envelope}")
+        with self._lock:
+            return self._events_rng.random()
 
     def draw(self) -> str:
         with self._lock:
@@ -469,10 +498,18 @@ class _ProxyServer(ThreadingHTTPServer):
 class FaultServer:
     """A SES v2 endpoint that forwards to ``upstream`` (moto) and injects faults into
     ``SendEmail`` according to ``plan``. Use as a context manager, or start()/stop().
-    With ``tls`` (a server-side context) it serves HTTPS."""
+    With ``tls`` (a server-side context) it serves HTTPS. With ``events`` (an
+    :class:`~tests.support.ses_events.EventQueue`) it publishes the SES events of every send
+    moto accepted, answered or not (``hang``, ``reset``, ``tls_corrupt`` too), to that queue's
+    topic: :attr:`events` is the publisher, ``events.records`` what it published."""
 
     def __init__(
-        self, upstream: str, plan: FaultPlan | None = None, *, tls: ssl.SSLContext | None = None
+        self,
+        upstream: str,
+        plan: FaultPlan | None = None,
+        *,
+        tls: ssl.SSLContext | None = None,
+        events: EventQueue | None = None,
     ) -> None:
         parts = urlsplit(upstream)
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
@@ -485,6 +522,9 @@ class FaultServer:
         host, port = self._server.server_address[:2]
         self.url = f"{'https' if tls is not None else 'http'}://{host}:{port}"
         self._thread: threading.Thread | None = None
+        self.events = (
+            EventPublisher(events, self.plan, self.record_error) if events is not None else None
+        )
 
     # lifecycle
 
@@ -502,6 +542,8 @@ class FaultServer:
         self._server.server_close()
         if self._thread is not None:
             self._thread.join(10)
+        if self.events is not None:
+            self.events.stop()
 
     def __enter__(self) -> FaultServer:
         return self.start()
@@ -588,26 +630,30 @@ class FaultServer:
             status = answer[0]
             if status == 200:
                 message_id = json.loads(answer[2]).get("MessageId")
+        send = SendRequest(
+            at=arrived,
+            wall=wall,
+            kind=kind,
+            outbox_id=outbox_id,
+            category=category,
+            recipients=recipients,
+            subject=subject,
+            request=request,
+            status=status,
+            message_id=message_id,
+            signed_at=_signed_at(handler.headers.get("X-Amz-Date")),
+        )
         with self._lock:
-            self._sends.append(
-                SendRequest(
-                    at=arrived,
-                    wall=wall,
-                    kind=kind,
-                    outbox_id=outbox_id,
-                    category=category,
-                    recipients=recipients,
-                    subject=subject,
-                    request=request,
-                    status=status,
-                    message_id=message_id,
-                    signed_at=_signed_at(handler.headers.get("X-Amz-Date")),
-                )
-            )
+            self._sends.append(send)
         if kind == "pass":
             assert answer is not None
-            handler._relay(*answer)
-        elif kind == "hang":
+            try:
+                handler._relay(*answer)
+            finally:  # after the answer, and even when the client is gone: SES took it
+                self._publish_events(send)
+            return
+        self._publish_events(send)  # hang, reset, tls_corrupt: SES took it, no answer will come
+        if kind == "hang":
             handler._hang(self.plan.hang_seconds)
         elif kind in ("reset", "reset_before"):
             handler._reset()
@@ -615,6 +661,19 @@ class FaultServer:
             handler._corrupt_tls()
         else:
             handler._error(kind, identity)
+
+    def _publish_events(self, send: SendRequest) -> None:
+        if self.events is None or send.message_id is None:
+            return
+        try:
+            self.events.submit(
+                request=send.request,
+                message_id=send.message_id,
+                outbox_id=send.outbox_id,
+                wall=send.wall,
+            )
+        except Exception as exc:  # the answer path never breaks on an event
+            self.record_error(f"ses events for {send.message_id}: {type(exc).__name__}: {exc}")
 
 
 # -- analysis ------------------------------------------------------------------------------
