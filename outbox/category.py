@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from outbox.exceptions import ConfigurationError
-from outbox.schema import MAX_BACKOFF_SECONDS, AmbiguityPolicy
+from outbox.schema import DEFAULT_RECONCILE_AFTER, MAX_BACKOFF_SECONDS, AmbiguityPolicy
 
 __all__ = ["DEFAULT_CATEGORIES", "Category"]
 
@@ -24,7 +24,10 @@ class Category:
     ``ambiguity`` decides what happens when a send may or may not have reached the provider:
     ``hold`` (the default) parks it as ``unknown_outcome`` for an operator, so nothing is ever
     sent twice automatically; ``resend`` retries it, for mail where a duplicate is harmless
-    and a loss is not.
+    and a loss is not; ``reconcile`` parks it like ``hold``, and the relay requeues it once by
+    itself if no provider event names it within ``reconcile_after`` seconds while the event
+    intake provably flows (events committed after the attempt plus that window). Without a
+    flowing intake a ``reconcile`` row waits for an operator, exactly as a ``hold`` row does.
     """
 
     name: str
@@ -32,6 +35,8 @@ class Category:
     backoff_base: float = 2.0  # seconds; the first retry waits up to this long
     backoff_cap: float = 900.0  # seconds; no retry waits longer
     ambiguity: AmbiguityPolicy = AmbiguityPolicy.HOLD
+    # seconds; only with ``ambiguity="reconcile"`` (None there: DEFAULT_RECONCILE_AFTER)
+    reconcile_after: float | None = None
 
     def __post_init__(self) -> None:
         where = f"categories[{self.name!r}]"
@@ -56,8 +61,45 @@ class Category:
             object.__setattr__(self, "ambiguity", AmbiguityPolicy(self.ambiguity))
         except ValueError:
             raise ConfigurationError(
-                f"{where}.ambiguity", f"{self.ambiguity!r} is not one of: hold, resend"
+                f"{where}.ambiguity",
+                f"{self.ambiguity!r} is not one of: " + ", ".join(p.value for p in AmbiguityPolicy),
             ) from None
+        self._check_reconcile_after(where)
+
+    def _check_reconcile_after(self, where: str) -> None:
+        """A window belongs to the reconcile policy only: given with ``hold`` or ``resend`` it
+        would promise an automatic requeue that never happens."""
+        field = f"{where}.reconcile_after"
+        if self.ambiguity is not AmbiguityPolicy.RECONCILE:
+            if self.reconcile_after is not None:
+                raise ConfigurationError(
+                    field,
+                    f"only applies to ambiguity='reconcile' (this category's is "
+                    f"{self.ambiguity.value!r}; the policies are hold, resend, reconcile)",
+                )
+            return
+        if self.reconcile_after is None:
+            object.__setattr__(self, "reconcile_after", DEFAULT_RECONCILE_AFTER)
+            return
+        window = self.reconcile_after
+        if (
+            isinstance(window, bool)
+            or not isinstance(window, int | float)
+            or not 0 < window <= MAX_BACKOFF_SECONDS
+        ):
+            raise ConfigurationError(
+                field,
+                f"must be a positive number of seconds, at most {MAX_BACKOFF_SECONDS:g} (30 days)",
+            )
+        object.__setattr__(self, "reconcile_after", float(window))
+
+    @property
+    def stored_policy(self) -> tuple[str, float | None]:
+        """The row's ``(ambiguity_policy, reconcile_after)``: ``reconcile`` is stored as
+        ``'hold'`` with its window set (see ``AmbiguityPolicy.RECONCILE``)."""
+        if self.ambiguity is AmbiguityPolicy.RECONCILE:
+            return AmbiguityPolicy.HOLD.value, self.reconcile_after
+        return self.ambiguity.value, None
 
 
 DEFAULT_CATEGORIES = (Category(name="default"), Category(name="transactional"))

@@ -93,6 +93,7 @@ _ROW_TYPES: dict[str, Any] = {
     "backoff_base": sa.Double(),
     "backoff_cap": sa.Double(),
     "ambiguity_policy": sa.Text(),
+    "reconcile_after": sa.Double(),
     "next_attempt_at": postgresql.TIMESTAMP(timezone=True),
     "expires_at": postgresql.TIMESTAMP(timezone=True),
     "created_at": postgresql.TIMESTAMP(timezone=True),
@@ -268,6 +269,7 @@ def build_row(
     if expires_at is not None and expires_at <= due:
         raise InvalidArgument("expires_at", "must be later than now and than not_before")
     recipients = email.recipients
+    policy, reconcile_after = category.stored_policy
     return {
         "idempotency_key": key,
         "category": category.name,
@@ -281,7 +283,8 @@ def build_row(
         "max_attempts": category.max_attempts,
         "backoff_base": float(category.backoff_base),
         "backoff_cap": float(category.backoff_cap),
-        "ambiguity_policy": category.ambiguity.value,
+        "ambiguity_policy": policy,
+        "reconcile_after": reconcile_after,
         "next_attempt_at": due,
         "expires_at": expires_at,
         "created_at": now,

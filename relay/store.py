@@ -39,10 +39,12 @@ from outbox.schema import (
     Status,
     UTCDateTime,
     attempts,
+    events,
     messages,
     relays,
     send_budget,
     send_budget_lock,
+    suppressions,
 )
 from outbox.schema import metadata as _outbox_metadata
 from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
@@ -54,6 +56,7 @@ __all__ = [
     "Claim",
     "Expired",
     "Filter",
+    "Reconciled",
     "RelayHolder",
     "StaleLease",
     "apply_decision",
@@ -82,6 +85,7 @@ __all__ = [
     "prune_send_budget",
     "read_lag",
     "read_view",
+    "reconcile_unknown",
     "record_attempts",
     "register",
     "release",
@@ -94,6 +98,7 @@ __all__ = [
     "settle_expired_leases",
     "statuses_of",
     "stop_held",
+    "suppressed_among",
     "sweep_candidates",
     "sweep_expired_leases",
 ]
@@ -116,6 +121,7 @@ _CLAIM_COLUMNS = (
     _m.c.backoff_base,
     _m.c.backoff_cap,
     _m.c.ambiguity_policy,
+    _m.c.reconcile_after,
     _m.c.next_attempt_at,
     _m.c.lease_expires_at,
 )
@@ -152,7 +158,7 @@ class Claim:
     max_attempts: int
     backoff_base: float
     backoff_cap: float
-    ambiguity_policy: AmbiguityPolicy
+    ambiguity_policy: AmbiguityPolicy  # RECONCILE for a row stored 'hold' with a window
     next_attempt_at: datetime
     lease_expires_at: datetime
 
@@ -189,6 +195,14 @@ class AttemptRecord:
     error_code: str | None = None
     error_message: str | None = None
     provider_message_id: str | None = None
+    dropped_recipients: str | None = None  # suppressed addresses not sent to, comma-separated
+
+
+def _policy(stored: str, reconcile_after: float | None) -> AmbiguityPolicy:
+    """The row's policy: ``reconcile`` is stored as ``'hold'`` with ``reconcile_after`` set."""
+    if reconcile_after is not None:
+        return AmbiguityPolicy.RECONCILE
+    return AmbiguityPolicy(stored)
 
 
 def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
@@ -205,7 +219,7 @@ def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
         max_attempts=row.max_attempts,
         backoff_base=row.backoff_base,
         backoff_cap=row.backoff_cap,
-        ambiguity_policy=AmbiguityPolicy(row.ambiguity_policy),
+        ambiguity_policy=_policy(row.ambiguity_policy, row.reconcile_after),
         next_attempt_at=row.next_attempt_at,
         lease_expires_at=row.lease_expires_at,
     )
@@ -724,6 +738,7 @@ _ATTEMPT_FIELDS = (
     "error_code",
     "error_message",
     "provider_message_id",
+    "dropped_recipients",
 )
 
 
@@ -774,6 +789,7 @@ def record_attempts(conn: sa.Connection, records: Iterable[AttemptRecord]) -> No
                 r.error_code,
                 r.error_message,
                 r.provider_message_id,
+                r.dropped_recipients,
             ]
             for r in records
         ]
@@ -978,6 +994,166 @@ def expire(conn: sa.Connection, *, now: datetime, limit: int = 1000) -> list[Exp
     return [Expired(id=c.id, key=c.idempotency_key, category=c.category) for c in candidates]
 
 
+# -- suppression at send -----------------------------------------------------------------
+
+
+@functools.cache
+def _suppressed_statement(pg: bool) -> sa.Select[Any]:
+    """suppressed_among's SELECT, built once: on PostgreSQL the addresses are one array
+    (``= ANY``), so the text and its prepared plan are the same whatever the wave's size."""
+    address = suppressions.c.address
+    if pg:
+        among = address == sa.any_(sa.bindparam("s_addresses", type_=postgresql.ARRAY(sa.String)))
+    else:
+        among = address.in_(sa.bindparam("s_addresses", expanding=True))
+    return sa.select(address).where(among)
+
+
+def suppressed_among(conn: sa.Connection, addresses: Iterable[str]) -> set[str]:
+    """suppressed_among -- Which of ``addresses`` (lower-cased addr-specs) are in
+    ``outbox_suppressions``: one primary-key lookup per address, in one statement, for a whole
+    wave before its send-started mark."""
+    wanted = sorted(set(addresses))
+    if not wanted:
+        return set()
+    stmt = _suppressed_statement(conn.dialect.name == "postgresql")
+    return set(conn.execute(stmt, {"s_addresses": wanted}).scalars())
+
+
+# -- reconcile: requeue an ambiguous send once the event intake flowed past its window ----
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reconciled:
+    """An unknown_outcome row :func:`reconcile_unknown` requeued."""
+
+    id: int
+    category: str
+    send_started_at: datetime  # the ambiguous attempt's start (the database's clock)
+    reconcile_after: float
+
+
+def _window_end(dialect: str) -> sa.ColumnElement[Any]:
+    """``send_started_at + reconcile_after`` seconds, computed by the database (each row has
+    its own window), in the form its timestamps are stored in so the comparison with
+    ``outbox_events.received_at`` can use that column's index. SQLite stores text and its
+    date functions keep milliseconds: the end is truncated to the millisecond, which moves a
+    window of minutes by less than one."""
+    started, window = _m.c.send_started_at, _m.c.reconcile_after
+    if dialect == "postgresql":
+        seconds = sa.func.make_interval(0, 0, 0, 0, 0, 0, window, type_=sa.Interval())
+        return started + seconds
+    if dialect in ("mysql", "mariadb"):
+        micros = sa.cast(sa.func.round(window * 1_000_000), sa.BigInteger())
+        return sa.func.timestampadd(sa.literal_column("MICROSECOND"), micros, started)
+    modifier = sa.literal("+") + sa.cast(window, sa.Text()) + sa.literal(" seconds")
+    return sa.func.strftime("%Y-%m-%d %H:%M:%f", started, modifier)
+
+
+def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
+    """An unknown_outcome row of the reconcile policy, with no event matched to it, never
+    requeued by a reconcile before, whose window the intake provably flowed past: an event
+    committed (``received_at``, the database's clock) after the attempt's start plus the
+    window, about mail SES took (``mail_at``, SES's clock) after it too. Both clocks must
+    have passed the window: a relay's clock plays no part, and an intake that replays an old
+    backlog (recent ``received_at``, old ``mail_at``) proves nothing about this send."""
+    end = _window_end(dialect)
+    event = events.alias("flowing")
+    flowed = sa.exists().where(event.c.received_at > end, event.c.mail_at > end)
+    matched = sa.exists().where(events.c.message_id == _m.c.id)
+    requeued = sa.exists().where(
+        attempts.c.message_id == _m.c.id,
+        attempts.c.outcome == AttemptOutcome.RECONCILE_REQUEUED.value,
+    )
+    return [
+        _m.c.status == Status.UNKNOWN_OUTCOME.value,
+        _m.c.reconcile_after.is_not(None),
+        _m.c.send_started_at.is_not(None),
+        ~matched,
+        ~requeued,
+        flowed,
+    ]
+
+
+def _requeued_values(now: datetime) -> dict[str, Any]:
+    """What a requeue writes (the operator's and the reconcile's): pending, due now, a fresh
+    attempt budget, no claim, no send-started mark."""
+    return {
+        **_NO_CLAIM,
+        "status": Status.PENDING.value,
+        "attempt_count": 0,
+        "next_attempt_at": now,
+        "send_started_at": None,
+        "updated_at": now,
+    }
+
+
+def reconcile_unknown(
+    conn: sa.Connection, *, now: datetime, relay_id: str, limit: int = 100, lock: bool = True
+) -> list[Reconciled]:
+    """reconcile_unknown -- Requeue, once, ambiguous sends of the reconcile policy that no
+    provider event named while the event intake provably flowed past their window.
+
+    A row qualifies if it is ``unknown_outcome`` with ``reconcile_after`` set, no event in
+    ``outbox_events`` is matched to it, no ``reconcile:requeued`` attempt exists for it (a
+    row requeued once that comes back ambiguous stays for a human), and an event exists
+    with ``received_at`` and ``mail_at`` both later than ``send_started_at`` (kept by
+    :func:`hold_unknown`) plus the window. Without events nothing qualifies, ever.
+
+    At most ``limit`` rows a call, oldest attempt first, read ``FOR UPDATE SKIP LOCKED``
+    (``lock=False`` reads without locking, so tests can race two reconciles). Each is
+    requeued by its own guarded UPDATE that repeats every condition and names the
+    attempt's ``send_started_at``, so racing replicas requeue a row once, a stale read never
+    requeues a later ambiguous attempt, and an event matched in between wins. A requeued row
+    gets a ``reconcile:requeued`` attempt row. Runs in the caller's transaction; ``now`` is
+    the database's clock.
+    """
+    if conn.execute(sa.select(sa.func.max(events.c.received_at))).scalar() is None:
+        return []  # no intake has ever committed an event: never requeue
+    where = _reconcilable(conn.dialect.name)
+    stmt = (
+        sa.select(_m.c.id, _m.c.category, _m.c.send_started_at, _m.c.reconcile_after)
+        .where(*where)
+        .order_by(_m.c.send_started_at, _m.c.id)
+        .limit(limit)
+    )
+    rows = conn.execute(stmt.with_for_update(skip_locked=True) if lock else stmt).all()
+    done: list[Reconciled] = []
+    for row in rows:
+        guard = (_m.c.id == row.id, _m.c.send_started_at == row.send_started_at, *where)
+        update = sa.update(_m).where(*guard).values(_requeued_values(now))
+        if conn.execute(update).rowcount != 1:
+            continue  # moved by an event, an operator or another relay since the read
+        done.append(
+            Reconciled(
+                id=row.id,
+                category=row.category,
+                send_started_at=row.send_started_at,
+                reconcile_after=row.reconcile_after,
+            )
+        )
+    record_attempts(
+        conn,
+        (
+            AttemptRecord(
+                message_id=r.id,
+                claim_token=None,
+                relay_id=relay_id,
+                started_at=None,
+                finished_at=now,
+                outcome=AttemptOutcome.RECONCILE_REQUEUED,
+                error_code="reconcile_requeued",
+                error_message=(
+                    f"no event for the attempt started {r.send_started_at.isoformat()} while "
+                    f"the intake flowed {r.reconcile_after:g}s past it; requeued by {relay_id}"
+                ),
+            )
+            for r in done
+        ),
+    )
+    return done
+
+
 # -- operator transitions ----------------------------------------------------------------
 
 
@@ -1007,15 +1183,7 @@ def _change_many(
 def requeue_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
     """requeue -- unknown_outcome/failed -> pending, due now, with a fresh attempt budget; the
     ids requeued (the others had moved on)."""
-    values = {
-        **_NO_CLAIM,
-        "status": Status.PENDING.value,
-        "attempt_count": 0,
-        "next_attempt_at": now,
-        "send_started_at": None,
-        "updated_at": now,
-    }
-    return _change_many(conn, ids, _REQUEUEABLE, values)
+    return _change_many(conn, ids, _REQUEUEABLE, _requeued_values(now))
 
 
 def cancel_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:

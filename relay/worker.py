@@ -63,6 +63,8 @@ _log = logging.getLogger("relay")
 
 _EXPIRE_INTERVAL = 30.0  # seconds between scans for rows past expires_at that are not yet due
 _SWEEP_INTERVAL = 1.0  # seconds between sweeps for expired leases
+# seconds between reconcile passes (run by the sweep); a reconcile window is minutes
+_RECONCILE_INTERVAL = 5.0
 _AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 _SENDER_ERRORS_TO_PAUSE = 3  # consecutive sends the sender raised on: pause, do not burn the queue
 STUCK_RETRY = 30.0  # seconds between tries to save a finished send that could not be saved
@@ -101,6 +103,7 @@ class _InFlight:
     deadline: float  # monotonic: past it the lease is no longer renewed (--send-timeout)
     probe: Scope | None = None  # the paused scope this send probes
     overdue: bool = False  # past its deadline, logged once
+    dropped: tuple[str, ...] = ()  # suppressed recipients left out of this send
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,6 +113,7 @@ class _Ready:
     claim: store.Claim
     email: Email
     probe: Scope | None = None
+    dropped: tuple[str, ...] = ()  # suppressed recipients taken out of ``email``
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,6 +124,8 @@ class _Done:
     outcome: Outcome | None  # None: the payload could not be turned into an email
     decision: Decision
     duration: float | None = None  # seconds the provider call took; None: no call
+    recorded: AttemptOutcome | None = None  # the attempt's outcome when no call was made
+    dropped: tuple[str, ...] = ()  # suppressed recipients not sent to
 
 
 def _is_outage(exc: sa.exc.DBAPIError) -> bool:
@@ -192,6 +198,7 @@ class Relay:
         self._sender_errors = 0  # consecutive sends the sender raised on
         self._last_expire = 0.0
         self._last_sweep = -math.inf  # monotonic
+        self._last_reconcile = -math.inf  # monotonic
         self._sweep_from = 0.0  # monotonic: no sweep before (after a database outage)
         self._conn: sa.Connection | None = None  # the loop's own, kept between passes
         self._db_failures = 0
@@ -357,6 +364,9 @@ class Relay:
         wave: list[tuple[_Ready, Slot | None]] = []
         marked: set[tuple[int, str]] = set()  # (id, claim token): an id may be in _ready twice
         ready_before = len(self._ready)
+        admitted = 0
+        barred: list[_Done] = []
+        barred_applied: list[bool] = []
         began = time.monotonic()
         try:
             with self._transaction() as conn:
@@ -372,6 +382,9 @@ class Relay:
                     )
                     self._accept(conn, claims, now)
                 wave = self._admit(conn)
+                admitted = len(wave)
+                wave, barred = self._screen(conn, wave, now)
+                barred_applied = self._save(conn, barred, now)
                 for token, ids in _by_token(r.claim for r, _ in wave).items():
                     stamped = store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
                     marked.update((id_, token) for id_ in stamped)
@@ -399,8 +412,9 @@ class Relay:
                     expired=len(expired),
                 )
         del self._unsaved[: len(batch)]
-        del self._ready[: len(wave)]  # only once the marks committed
+        del self._ready[:admitted]  # only once the marks committed
         self._announce_saved(batch, applied)
+        self._announce_saved(barred, barred_applied)
         self._announce_expired(expired)
         if claims:
             _log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
@@ -409,7 +423,7 @@ class Relay:
             if self._probe_found_nothing:
                 self.pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
         self._start(wave, marked, now)
-        return bool(batch or claims or expired or wave)
+        return bool(batch or claims or expired or admitted)
 
     def _save_alone(self, batch: list[_Done], now: datetime) -> None:
         """Save each finished send of ``batch`` in its own transaction, so one that cannot be
@@ -454,7 +468,7 @@ class Relay:
             category=done.claim.category,
             code=done.decision.code,
             provider_message_id=done.decision.provider_message_id,
-            outcome=_outcome_name(done.outcome),
+            outcome=_done_outcome(done),
         )
 
     def _remove(self, done: _Done) -> None:
@@ -475,7 +489,7 @@ class Relay:
             extra={
                 "action": "save_failed",
                 "message_id": done.claim.id,
-                "outcome": _outcome_name(done.outcome),
+                "outcome": _done_outcome(done),
                 "decision": done.decision.action.value,
                 "code": done.decision.code,
                 "provider_message_id": done.decision.provider_message_id,
@@ -571,6 +585,68 @@ class Relay:
             for ready, booking in zip(self._ready, planned, strict=False)
         ]
 
+    def _screen(
+        self, conn: sa.Connection, wave: list[tuple[_Ready, Slot | None]], now: datetime
+    ) -> tuple[list[tuple[_Ready, Slot | None]], list[_Done]]:
+        """Take suppressed recipients out of the wave before its send-started mark: one
+        lookup for the whole wave's To, Cc and Bcc (lower-cased addr-specs). A message left
+        with no recipient fails (``suppressed``), never sent; one with some left goes to
+        those, the dropped ones named in its attempt row. The stored payload is not changed:
+        a later attempt screens against the suppressions of its own time."""
+        if not wave:
+            return wave, []
+        suppressed = store.suppressed_among(
+            conn, (_addr_spec(a) for ready, _ in wave for a in ready.email.recipients)
+        )
+        if not suppressed:
+            return wave, []
+        kept: list[tuple[_Ready, Slot | None]] = []
+        barred: list[_Done] = []
+        for ready, slot in wave:
+            email = ready.email
+            dropped = tuple(
+                dict.fromkeys(a for a in map(_addr_spec, email.recipients) if a in suppressed)
+            )
+            if not dropped:
+                kept.append((ready, slot))
+                continue
+            if all(_addr_spec(a) in suppressed for a in email.recipients):
+                decision = Decision(
+                    action=Action.FAIL,
+                    code="suppressed",
+                    message="every recipient is suppressed: " + ", ".join(dropped),
+                )
+                barred.append(
+                    _Done(
+                        claim=ready.claim,
+                        started_at=None,
+                        finished_at=now,
+                        outcome=None,
+                        decision=_fitted(decision),
+                        recorded=AttemptOutcome.SUPPRESSED,
+                        dropped=dropped,
+                    )
+                )
+                if ready.probe is not None:  # nothing was sent: the scope is still unprobed
+                    self.pauses.probe_lost(ready.probe)
+                continue
+            rest = dataclasses.replace(
+                email,
+                to=_without(email.to, suppressed),
+                cc=_without(email.cc, suppressed),
+                bcc=_without(email.bcc, suppressed),
+            )
+            _log.info(
+                "suppressed recipients dropped",
+                extra={
+                    "action": "recipients_suppressed",
+                    "message_id": ready.claim.id,
+                    "count": len(dropped),
+                },
+            )
+            kept.append((dataclasses.replace(ready, email=rest, dropped=dropped), slot))
+        return kept, barred
+
     def _start(
         self,
         wave: list[tuple[_Ready, Slot | None]],
@@ -595,6 +671,7 @@ class Relay:
                 category=claim.category,
                 attempt=claim.attempt_count + 1,
                 email=ready.email,
+                claim_token=claim.claim_token,
             )
             started = time.monotonic()
             lease_ends = started + (claim.lease_expires_at - now).total_seconds()
@@ -605,6 +682,7 @@ class Relay:
                 future=future,
                 deadline=started + self.config.send_timeout,
                 probe=ready.probe,
+                dropped=ready.dropped,
             )
             future.add_done_callback(lambda _f: self._wake.set())
 
@@ -659,6 +737,7 @@ class Relay:
                         outcome=outcome,
                         decision=decision,
                         duration=duration,
+                        dropped=flight.dropped,
                     )
                 )
                 self._react(outcome, flight.probe)
@@ -692,6 +771,8 @@ class Relay:
             (
                 _attempt(done, self.relay_id, stale=not ok)
                 for done, ok in zip(batch, applied, strict=True)
+                # a suppressed message whose claim was gone: nothing was sent, nothing moved
+                if ok or done.recorded is None
             ),
         )
         return applied
@@ -703,7 +784,7 @@ class Relay:
                 done.decision,
                 applied=ok,
                 duration=done.duration,
-                outcome=_outcome_name(done.outcome),
+                outcome=_done_outcome(done),
             )
 
     def _finalize(self) -> bool:
@@ -841,7 +922,42 @@ class Relay:
                 swept=True,
                 outcome=AttemptOutcome.LEASE_EXPIRED,
             )
-        return bool(swept)
+        return self._reconcile(now) or bool(swept)
+
+    def _reconcile(self, now: datetime) -> bool:
+        """Requeue, once, the reconcile policy's ambiguous sends that no event named while
+        the intake flowed past their window (:func:`relay.store.reconcile_unknown`): every
+        replica runs it, the guarded requeue makes racing ones harmless. A statement error
+        is logged and tried again next interval: a broken reconcile must not stop sending."""
+        mono = time.monotonic()
+        if mono - self._last_reconcile < _RECONCILE_INTERVAL:
+            return False
+        self._last_reconcile = mono
+        try:
+            with self._transaction() as conn:
+                requeued = store.reconcile_unknown(conn, now=now, relay_id=self.relay_id)
+        except sa.exc.DBAPIError as exc:
+            if _is_outage(exc):
+                raise
+            _log.error(
+                "reconcile failed: %s",
+                exc.orig if exc.orig is not None else exc,
+                extra={"action": "reconcile_failed"},
+            )
+            return False
+        for r in requeued:
+            _log.warning(
+                "requeued: no event for the ambiguous send while the intake flowed past its window",
+                extra={"action": "reconcile_requeued", "message_id": r.id},
+            )
+            signals.reconciled.send(
+                self,
+                message_id=r.id,
+                category=r.category,
+                result="requeued",
+                provider_message_id=None,
+            )
+        return bool(requeued)
 
     def _expire(self, now: datetime) -> None:
         """Expire rows that are not due yet; due ones are expired by the claim itself."""
@@ -1223,8 +1339,24 @@ def _outcome_name(outcome: Outcome | None) -> AttemptOutcome:
     return AttemptOutcome.INVALID_PAYLOAD if outcome is None else _OUTCOME_NAMES[type(outcome)]
 
 
+def _done_outcome(done: _Done) -> AttemptOutcome:
+    return done.recorded if done.recorded is not None else _outcome_name(done.outcome)
+
+
+def _addr_spec(address: str) -> str:
+    """The lower-cased addr-spec of a canonical address (``a@x.com``, or ``Name <a@x.com>``
+    as :class:`~outbox.Email` stores it): the form ``outbox_suppressions`` keys on."""
+    if address.endswith(">"):
+        address = address[address.rindex("<") + 1 : -1]
+    return address.lower()
+
+
+def _without(addresses: Iterable[str], suppressed: set[str]) -> tuple[str, ...]:
+    return tuple(a for a in addresses if _addr_spec(a) not in suppressed)
+
+
 def _attempt(done: _Done, relay_id: str, *, stale: bool) -> store.AttemptRecord:
-    name = _outcome_name(done.outcome)
+    name = _done_outcome(done)
     return store.AttemptRecord(
         message_id=done.claim.id,
         claim_token=done.claim.claim_token,
@@ -1235,6 +1367,7 @@ def _attempt(done: _Done, relay_id: str, *, stale: bool) -> store.AttemptRecord:
         error_code=done.decision.code,
         error_message=done.decision.message,
         provider_message_id=done.decision.provider_message_id,
+        dropped_recipients=",".join(done.dropped) or None,
     )
 
 

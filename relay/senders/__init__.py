@@ -31,13 +31,18 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OutgoingMessage:
-    """What a sender gets: the email and the row it came from (for tags and logs)."""
+    """What a sender gets: the email and the row it came from (for tags and logs).
+
+    ``claim_token`` names this attempt: the claim under which the relay sends it. A sender that
+    can tag its mail (SES's ``outbox_attempt`` tag) sends it along, so a provider event maps
+    to the exact attempt it reports on (None: a message built outside a relay's claim)."""
 
     id: int
     key: str
     category: str
     attempt: int  # 1 for the first attempt
     email: Email
+    claim_token: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -115,6 +115,8 @@ _MISCONFIGURED = frozenset(
     }
 )
 _DAILY_QUOTA = "daily message quota exceeded"
+# the tags build_request sets on every send
+_RELAY_TAGS = frozenset({"outbox_message_id", "outbox_attempt", "outbox_category"})
 
 
 class Progress(enum.Enum):
@@ -258,8 +260,14 @@ def _raised_in_tls_handshake(exc: BaseException) -> bool:
 def build_request(
     message: OutgoingMessage, *, configuration_set: str | None = None
 ) -> dict[str, Any]:
-    """The ``SendEmail`` arguments for ``message``, tagged with the outbox id and category so
-    SES events (bounces, complaints, deliveries) map back to rows."""
+    """The ``SendEmail`` arguments for ``message``, tagged with the outbox id, the attempt
+    (its claim token) and the category, so SES events (sends, deliveries, bounces,
+    complaints) map back to the row and to the attempt that caused them.
+
+    The relay's tags win over an email's own of the same name (an email stored before a name
+    was reserved): SES refuses a request that names one tag twice. Every value fits SES's
+    tag charset (letters, digits, ``_``, ``-``; at most 256): an id's digits, a UUID, a
+    category name."""
     email = message.email
     destination = {
         key: list(values)
@@ -274,8 +282,13 @@ def build_request(
         "FromEmailAddress": email.sender,
         "Destination": destination,
         "EmailTags": [
-            *({"Name": k, "Value": v} for k, v in email.tags.items()),
+            *({"Name": k, "Value": v} for k, v in email.tags.items() if k not in _RELAY_TAGS),
             {"Name": "outbox_message_id", "Value": str(message.id)},
+            *(
+                ({"Name": "outbox_attempt", "Value": message.claim_token},)
+                if message.claim_token
+                else ()
+            ),
             {"Name": "outbox_category", "Value": message.category},
         ],
     }
