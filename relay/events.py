@@ -46,6 +46,11 @@ _TIMESTAMP_CHARS = 64
 _TAG_VALUE = re.compile(r"[A-Za-z0-9_-]+")
 _SUPPRESSION_SUBTYPES = frozenset({"Suppressed", "OnAccountSuppressionList"})
 _SNS_CONFIRMATIONS = frozenset({"SubscriptionConfirmation", "UnsubscribeConfirmation"})
+# What SES itself publishes once when a topic is set up, before any event: the plain-text test
+# message of a configuration set's new SNS destination, and the notification type of an
+# identity's new feedback topic (it carries no mail object). Both change nothing.
+_SES_TOPIC_VALIDATION = "Successfully validated SNS topic for Amazon SES event publishing."
+_SES_SUBSCRIPTION_SUCCEEDED = "AmazonSnsSubscriptionSucceeded"
 
 # SES's name for each kind -> ours; a name not here is OTHER (Open, Click, Subscription, and
 # whatever SES adds later: it proves the send was accepted, and changes no status).
@@ -124,8 +129,9 @@ def parse(body: str) -> SesEvent:
     over :data:`MAX_BODY_BYTES` (not even decoded), text that is not JSON or nests too deeply
     for the decoder, JSON that is not an object, an event without a ``mail`` object or a
     ``mail.messageId``. A well-formed event of a kind that changes nothing (Open, Click,
-    Subscription, a kind SES adds later) and an SNS subscription or unsubscribe confirmation are
-    OTHER. A timestamp that is missing or unreadable is None, not a reason to refuse the event.
+    Subscription, a kind SES adds later), an SNS subscription or unsubscribe confirmation and
+    SES's own message that a topic was set up are OTHER. A timestamp that is missing or
+    unreadable is None, not a reason to refuse the event.
     """
     if not isinstance(body, str) or not body:
         return _malformed(body if isinstance(body, str) else "", "raw", "empty body")
@@ -169,6 +175,8 @@ def _from_sns(body: str, envelope: dict[str, Any]) -> SesEvent:
     message = envelope.get("Message")
     if not isinstance(message, str):
         return _malformed(body, "sns", "SNS Message is not text")
+    if message.strip() == _SES_TOPIC_VALIDATION:
+        return _other(_digest_of(envelope), "sns", _SES_TOPIC_VALIDATION)
     try:
         event = json.loads(message)
     except ValueError:
@@ -195,6 +203,8 @@ def _from_event(
     kind = event.get("eventType", event.get("notificationType", fallback_kind))
     if not isinstance(kind, str) or not kind:
         return _malformed(body, source, "no eventType or notificationType")
+    if kind == _SES_SUBSCRIPTION_SUCCEEDED:
+        return _other(_digest_of(event), source, kind)
     mail = event.get("mail")
     if not isinstance(mail, dict):
         return _malformed(body, source, "no mail object")

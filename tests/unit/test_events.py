@@ -285,6 +285,38 @@ def test_sns_confirmations_are_other_and_change_nothing(name):
     assert parsed.key == digest(envelope)
 
 
+def test_the_message_ses_publishes_when_an_event_destination_is_set_up_is_other():
+    # not in AWS's examples: the plain-text test message SES publishes to a configuration
+    # set's new SNS destination, as subscribers receive it
+    envelope = fixture("sns_envelope.json")
+    envelope["Message"] = "Successfully validated SNS topic for Amazon SES event publishing."
+    parsed = parse(body(envelope))
+    assert (parsed.type, parsed.detail, parsed.error) == (
+        EventType.OTHER,
+        envelope["Message"],
+        None,
+    )
+    assert parsed.key == digest(envelope)
+
+
+def test_the_notification_ses_publishes_when_a_feedback_topic_is_set_up_is_other():
+    # not in AWS's examples either: an identity's new feedback topic gets this, with no mail
+    event = {
+        "notificationType": "AmazonSnsSubscriptionSucceeded",
+        "message": "You have successfully subscribed your Amazon SNS topic "
+        "'arn:aws:sns:us-east-1:123456789012:MyTopic' to receive 'Bounce' notifications from "
+        "Amazon SES for identity 'example.com'.",
+    }
+    parsed = parse(body(sns(event)))
+    assert (parsed.source, parsed.type, parsed.detail) == (
+        "sns",
+        EventType.OTHER,
+        "AmazonSnsSubscriptionSucceeded",
+    )
+    assert (parsed.provider_message_id, parsed.delivery_status) == (None, None)
+    assert parsed.key == digest(event)
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_one_event_is_one_key_whatever_envelope_carries_it(name):
     event = fixture(name)
