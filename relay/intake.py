@@ -1,0 +1,884 @@
+"""The event intake: SES events from an SQS queue, applied to the outbox in one transaction per
+batch, deleted from the queue only once their effect committed.
+
+What one event does (:func:`apply_events`), in the transaction that records it:
+
+1. Its ``outbox_events`` row is inserted unless its ``event_key`` is there already; a
+   duplicate (SQS delivers at least once, SNS may publish twice, an operator may replay a
+   dead-letter queue) has no effect at all. The unique key decides between two replicas
+   applying the same event at once: the second one's insert waits for the first one's commit
+   and then finds the key.
+2. It is matched to its row: by its tags (``outbox_message_id`` names the row and
+   ``outbox_attempt`` is the claim token of one of its attempts, or its current one), else,
+   without the attempt tag (identity notifications carry no tags), by SES message id on the
+   rows, then on the attempts. A tag naming a row none of whose attempts carry its token is
+   another deployment's (or forged): unmatched, it changes nothing.
+3. A matched event proves SES took one of the row's sends: an ``unknown_outcome``,
+   ``pending`` or ``retrying`` row becomes ``sent`` (never sent again), with an attempt row
+   ``reconciled``. A row being sent (``processing``) is never touched: the event is recorded
+   only. A ``sent`` row with another SES message id was sent twice (``duplicate_send``).
+4. ``delivery_status`` only moves up in rank (:attr:`DeliveryStatus.rank`), so events in any
+   order converge; permanent bounces and complaints add their addresses to
+   ``outbox_suppressions`` unless they are there.
+
+A malformed queue message is recorded (under the digest of its body) and left on the queue,
+so SQS's redrive policy moves it to the dead-letter queue after ``maxReceiveCount`` tries; an
+unmatched event is recorded and deleted. Times: ``received_at`` is the database's clock (the
+caller passes it in), ``event_at`` and ``mail_at`` are SES's.
+
+:class:`Intake` is the loop around it: receive (long poll) -> parse -> apply -> commit ->
+delete what committed. A database error deletes nothing (the messages come back after their
+visibility timeout); an SQS error is logged and retried after a jittered backoff.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from outbox.exceptions import ConfigurationError
+from outbox.schema import (
+    AttemptOutcome,
+    DeliveryStatus,
+    EventType,
+    Status,
+    SuppressionReason,
+    attempts,
+    events,
+    messages,
+    suppressions,
+)
+from relay import signals
+from relay.clock import read_database_time
+from relay.events import SesEvent, parse
+
+__all__ = [
+    "ACTOR",
+    "MAX_MESSAGES",
+    "Applied",
+    "Effect",
+    "Intake",
+    "QueueInfo",
+    "announce",
+    "apply_events",
+    "build_client",
+    "find_by_provider_id",
+    "find_by_tags",
+    "insert_event",
+    "raise_delivery_status",
+    "record_reconciled_attempt",
+    "resolve_sent",
+    "set_event_effect",
+    "suppress_addresses",
+]
+
+_log = logging.getLogger("relay.intake")
+
+ACTOR = "ses-events"  # who the intake's suppressions and attempts name
+MAX_MESSAGES = 10  # per ReceiveMessage: SQS's most
+_MAX_ID = 2**63 - 1  # a tagged row id beyond this cannot be ours (and would overflow BIGINT)
+_MYSQL_DUPLICATE_KEY = 1062
+
+
+class Effect(enum.StrEnum):
+    """What an event did (``outbox_events.effect``); the last two are never stored."""
+
+    RESOLVED = "resolved"  # it proved SES took a send: the row became sent
+    STATUS = "status"  # the row's delivery_status moved up
+    RECORDED = "recorded"  # matched; nothing to change (or the row is being sent)
+    DUPLICATE_SEND = "duplicate_send"  # the row is sent under another SES message id
+    UNMATCHED = "unmatched"  # no row of ours (another app's, a pruned row, a forged tag)
+    MALFORMED = "malformed"  # not an SES event: left on the queue for its dead-letter queue
+    DUPLICATE = "duplicate"  # its key was recorded already: no effect (not stored)
+    REFUSED = "refused"  # the database refused its row: left on the queue (not stored)
+
+
+_RESOLVABLE = (Status.UNKNOWN_OUTCOME.value, Status.PENDING.value, Status.RETRYING.value)
+_KEPT = frozenset({Effect.MALFORMED, Effect.REFUSED})  # left on the queue
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Applied:
+    """One event's result: its ``effect``, its ``outbox_events`` id (None: not stored), the
+    row it was matched to and that row's category, whether it resolved the row to sent, and
+    the addresses it newly suppressed."""
+
+    event: SesEvent
+    effect: Effect
+    event_id: int | None = None
+    message_id: int | None = None
+    category: str | None = None
+    resolved: bool = False
+    suppressed: tuple[str, ...] = ()
+
+    @property
+    def delete(self) -> bool:
+        """Whether its queue message may be deleted: everything but a malformed one (also a
+        redelivered one: SQS must count its receives) and one the database refused."""
+        if self.effect is Effect.DUPLICATE:
+            return self.event.type is not EventType.MALFORMED
+        return self.effect not in _KEPT
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    id: int
+    status: str
+    category: str
+    provider_message_id: str | None
+
+
+# -- statements ----------------------------------------------------------------------------
+
+_m = messages
+_ROW_COLUMNS = (_m.c.id, _m.c.status, _m.c.category, _m.c.provider_message_id)
+_RANK = sa.case({s.value: s.rank for s in DeliveryStatus}, value=_m.c.delivery_status, else_=0)
+
+
+def _fit(value: str | None, column: sa.Column[Any]) -> str | None:
+    """``value`` cut to its column's length: a hostile event's long field must not make the
+    batch's transaction fail (it would block every event received with it)."""
+    length = getattr(column.type, "length", None)
+    if value is None or length is None:
+        return value
+    return value[:length]
+
+
+def _as_row(row: Any) -> _Row | None:
+    if row is None:
+        return None
+    return _Row(int(row.id), str(row.status), str(row.category), row.provider_message_id)
+
+
+def _tagged_id(text: str | None) -> int | None:
+    """The row id a tag names, if it can name one (digits, within BIGINT)."""
+    if text is None or not text.isascii() or not text.isdecimal():
+        return None
+    value = int(text)
+    return value if 0 < value <= _MAX_ID else None
+
+
+def find_by_tags(conn: sa.Connection, *, message_id: int, claim_token: str) -> _Row | None:
+    """find_by_tags -- The row ``message_id`` if ``claim_token`` is its current claim token or
+    one of its attempts'; else None (another deployment's event, or a forged one)."""
+    a = attempts
+    ours = sa.or_(
+        _m.c.claim_token == claim_token,
+        sa.exists().where(a.c.message_id == _m.c.id, a.c.claim_token == claim_token),
+    )
+    stmt = sa.select(*_ROW_COLUMNS).where(_m.c.id == message_id, ours)
+    return _as_row(conn.execute(stmt).first())
+
+
+def find_by_provider_id(conn: sa.Connection, *, provider_message_id: str) -> _Row | None:
+    """find_by_provider_id -- The row SES message id ``provider_message_id`` belongs to: the
+    row that holds it, else the row of an attempt that recorded it (a stale finalize's, a
+    send that was later resent)."""
+    stmt = (
+        sa.select(*_ROW_COLUMNS)
+        .where(_m.c.provider_message_id == provider_message_id)
+        .order_by(_m.c.id)
+        .limit(1)
+    )
+    found = _as_row(conn.execute(stmt).first())
+    if found is not None:
+        return found
+    by_attempt = (
+        sa.select(*_ROW_COLUMNS)
+        .join(attempts, attempts.c.message_id == _m.c.id)
+        .where(attempts.c.provider_message_id == provider_message_id)
+        .order_by(attempts.c.id)
+        .limit(1)
+    )
+    return _as_row(conn.execute(by_attempt).first())
+
+
+def _read_row(conn: sa.Connection, message_id: int) -> _Row | None:
+    return _as_row(conn.execute(sa.select(*_ROW_COLUMNS).where(_m.c.id == message_id)).first())
+
+
+def _insert_unless_present(
+    conn: sa.Connection, table: sa.Table, values: dict[str, Any]
+) -> tuple[Any, ...] | None:
+    """INSERT unless the row's unique key is there: its primary key, or None if it was.
+    PostgreSQL and SQLite: ``ON CONFLICT DO NOTHING``; MySQL/MariaDB: the insert in a
+    savepoint, rolled back on a duplicate key (error 1062) only, so every other error still
+    raises (``INSERT IGNORE`` would turn truncations and bad values into warnings)."""
+    name = conn.dialect.name
+    if name in ("postgresql", "sqlite"):
+        insert = postgresql.insert if name == "postgresql" else sqlite.insert
+        stmt = (
+            insert(table)
+            .values(values)
+            .on_conflict_do_nothing()
+            .returning(*table.primary_key.columns)
+        )
+        row = conn.execute(stmt).first()
+        return None if row is None else tuple(row)
+    try:
+        with conn.begin_nested():
+            result = conn.execute(sa.insert(table).values(values))
+    except sa.exc.IntegrityError as exc:
+        if _mysql_code(exc) == _MYSQL_DUPLICATE_KEY:
+            return None
+        raise
+    key = result.inserted_primary_key
+    return None if key is None else tuple(key)
+
+
+def _mysql_code(exc: sa.exc.DBAPIError) -> int | None:
+    args = getattr(exc.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def insert_event(
+    conn: sa.Connection,
+    event: SesEvent,
+    *,
+    now: datetime,
+    message_id: int | None,
+    effect: Effect,
+) -> int | None:
+    """insert_event -- Record ``event`` unless its key is recorded; its id, or None for a
+    duplicate. On the servers the insert waits for a concurrent uncommitted insert of the
+    same key, then finds it: of two replicas applying one event, one records it."""
+    e = events.c
+    values = {
+        "event_key": event.key,
+        "received_at": now,
+        "event_type": event.type.value,
+        "event_at": event.event_at,
+        "mail_at": event.mail_at,
+        "provider_message_id": _fit(event.provider_message_id, e.provider_message_id),
+        "message_id": message_id,
+        "tagged_message_id": _fit(event.tagged_message_id, e.tagged_message_id),
+        "claim_token": _fit(event.claim_token, e.claim_token),
+        "detail": _fit(event.detail, e.detail),
+        "recipients": ", ".join(event.recipients) or None,
+        "effect": effect.value,
+        "error": event.error,
+        "source": _fit(event.source, e.source),
+    }
+    key = _insert_unless_present(conn, events, values)
+    return None if key is None else int(key[0])
+
+
+def set_event_effect(conn: sa.Connection, *, event_id: int, effect: Effect) -> None:
+    """set_event_effect -- What the event turned out to do, once its effects ran."""
+    conn.execute(sa.update(events).where(events.c.id == event_id).values(effect=effect.value))
+
+
+def _raised(status: DeliveryStatus | None, at: datetime | None) -> dict[str, Any]:
+    """``delivery_status`` (and its time) set to ``status`` only where that is a rise."""
+    if status is None:
+        return {}
+    rises = status.rank > _RANK
+    return {
+        "delivery_status": sa.case((rises, status.value), else_=_m.c.delivery_status),
+        "delivery_status_at": sa.case((rises, at), else_=_m.c.delivery_status_at),
+    }
+
+
+def resolve_sent(
+    conn: sa.Connection, *, message_id: int, seen: str, event: SesEvent, now: datetime
+) -> bool:
+    """resolve_sent -- unknown_outcome/pending/retrying -> sent, because an event proved SES
+    took one of the row's sends: its SES message id, sent at ``mail_at`` (else ``now``), claim
+    cleared, and its delivery status raised. Guarded on the status read (``seen``): a row
+    claimed meanwhile is left to its relay."""
+    sent_at = event.mail_at if event.mail_at is not None else now
+    provider_id = _fit(event.provider_message_id, _m.c.provider_message_id)
+    values = {
+        "status": Status.SENT.value,
+        "provider_message_id": sa.func.coalesce(
+            sa.literal(provider_id, sa.String()), _m.c.provider_message_id
+        ),
+        "sent_at": sent_at,
+        "claim_token": None,
+        "lease_expires_at": None,
+        "last_error_code": None,
+        "last_error_message": None,
+        "updated_at": now,
+        **_raised(event.delivery_status, event.event_at),
+    }
+    stmt = sa.update(_m).where(_m.c.id == message_id, _m.c.status == seen).values(**values)
+    return bool(conn.execute(stmt).rowcount == 1)
+
+
+def record_reconciled_attempt(
+    conn: sa.Connection, *, message_id: int, event: SesEvent, now: datetime, actor: str
+) -> None:
+    """record_reconciled_attempt -- The attempt row saying the event settled the row."""
+    conn.execute(
+        sa.insert(attempts).values(
+            message_id=message_id,
+            claim_token=_fit(event.claim_token, attempts.c.claim_token),
+            relay_id=actor,
+            started_at=None,
+            finished_at=now,
+            outcome=AttemptOutcome.RECONCILED.value,
+            provider_message_id=_fit(event.provider_message_id, attempts.c.provider_message_id),
+        )
+    )
+
+
+def raise_delivery_status(conn: sa.Connection, *, message_id: int, event: SesEvent) -> bool:
+    """raise_delivery_status -- A sent row's delivery status set to the event's where that is
+    higher in rank; guarded on the SES message id too, so an event of another send of the row
+    never speaks for the one it holds."""
+    status = event.delivery_status
+    if status is None:
+        return False
+    guard = [_m.c.id == message_id, _m.c.status == Status.SENT.value, status.rank > _RANK]
+    if event.provider_message_id is not None:
+        guard.append(
+            sa.or_(
+                _m.c.provider_message_id.is_(None),
+                _m.c.provider_message_id == event.provider_message_id,
+            )
+        )
+    stmt = (
+        sa.update(_m)
+        .where(*guard)
+        .values(delivery_status=status.value, delivery_status_at=event.event_at)
+    )
+    return bool(conn.execute(stmt).rowcount == 1)
+
+
+def suppress_addresses(
+    conn: sa.Connection,
+    *,
+    addresses: Iterable[str],
+    reason: SuppressionReason,
+    event_id: int,
+    detail: str | None,
+    now: datetime,
+    actor: str,
+) -> tuple[str, ...]:
+    """suppress_addresses -- Add each address to ``outbox_suppressions`` unless it is there
+    (an operator's or an earlier event's entry is kept as it is); the ones added."""
+    added = []
+    limit = 320  # outbox_suppressions.address: the longest address RFC 5321 allows
+    for address in sorted(set(addresses)):
+        if not address or len(address) > limit:
+            continue  # not an address any message of ours can hold
+        values = {
+            "address": address,
+            "reason": reason.value,
+            "detail": _fit(detail, suppressions.c.detail),
+            "event_id": event_id,
+            "created_at": now,
+            "actor": actor,
+        }
+        if _insert_unless_present(conn, suppressions, values) is not None:
+            added.append(address)
+    return tuple(added)
+
+
+# -- one event, one batch ----------------------------------------------------------------
+
+
+def _match(conn: sa.Connection, event: SesEvent) -> _Row | None:
+    if event.type is EventType.MALFORMED:
+        return None
+    if event.claim_token is not None or event.tagged_message_id is not None:
+        tagged = _tagged_id(event.tagged_message_id)
+        if event.claim_token is not None:
+            if tagged is None:
+                return None
+            return find_by_tags(conn, message_id=tagged, claim_token=event.claim_token)
+        if tagged is None:
+            return None
+    else:
+        tagged = None
+    if event.provider_message_id is None:
+        return None
+    found = find_by_provider_id(conn, provider_message_id=event.provider_message_id)
+    if found is not None and tagged is not None and found.id != tagged:
+        return None  # its tag and its SES message id name two rows: trust neither
+    return found
+
+
+def _settle(
+    conn: sa.Connection, event: SesEvent, row: _Row, now: datetime, actor: str
+) -> tuple[Effect, bool]:
+    """The row's transition for a matched event: (effect, whether it resolved the row)."""
+    for _ in range(3):  # each retry follows a row that moved between the read and the UPDATE
+        if row.status in _RESOLVABLE:
+            if resolve_sent(conn, message_id=row.id, seen=row.status, event=event, now=now):
+                record_reconciled_attempt(
+                    conn, message_id=row.id, event=event, now=now, actor=actor
+                )
+                return Effect.RESOLVED, True
+        elif row.status == Status.SENT.value:
+            held, theirs = row.provider_message_id, event.provider_message_id
+            if held is not None and theirs is not None and held != theirs:
+                return Effect.DUPLICATE_SEND, False
+            if raise_delivery_status(conn, message_id=row.id, event=event):
+                return Effect.STATUS, False
+            return Effect.RECORDED, False
+        elif row.status == Status.PROCESSING.value:
+            _log.info(
+                "the message is being sent: event recorded, row left to its relay",
+                extra={"action": "event_recorded", "message_id": row.id},
+            )
+            return Effect.RECORDED, False
+        else:
+            _log.warning(
+                "an event shows SES took a send of a %s message: recorded, row left as it is",
+                row.status,
+                extra={"action": "event_recorded", "message_id": row.id},
+            )
+            return Effect.RECORDED, False
+        moved = _read_row(conn, row.id)
+        if moved is None:
+            return Effect.RECORDED, False
+        row = moved
+    return Effect.RECORDED, False
+
+
+_SUPPRESSION_REASONS = {
+    EventType.BOUNCE: SuppressionReason.BOUNCE,
+    EventType.COMPLAINT: SuppressionReason.COMPLAINT,
+}
+
+
+def _apply_one(conn: sa.Connection, event: SesEvent, now: datetime, actor: str) -> Applied:
+    row = _match(conn, event)
+    if event.type is EventType.MALFORMED:
+        first = Effect.MALFORMED
+    else:
+        first = Effect.UNMATCHED if row is None else Effect.RECORDED
+    event_id = insert_event(
+        conn, event, now=now, message_id=None if row is None else row.id, effect=first
+    )
+    if event_id is None:
+        return Applied(event=event, effect=Effect.DUPLICATE)
+    if row is None:
+        return Applied(event=event, effect=first, event_id=event_id)
+    effect, resolved = _settle(conn, event, row, now, actor)
+    reason = _SUPPRESSION_REASONS.get(event.type)
+    suppressed: tuple[str, ...] = ()
+    if reason is not None and event.suppress:
+        suppressed = suppress_addresses(
+            conn,
+            addresses=event.suppress,
+            reason=reason,
+            event_id=event_id,
+            detail=event.detail,
+            now=now,
+            actor=actor,
+        )
+    if effect is not first:
+        set_event_effect(conn, event_id=event_id, effect=effect)
+    return Applied(
+        event=event,
+        effect=effect,
+        event_id=event_id,
+        message_id=row.id,
+        category=row.category,
+        resolved=resolved,
+        suppressed=suppressed,
+    )
+
+
+def _is_outage(exc: sa.exc.DBAPIError) -> bool:
+    """An error that says nothing about the statement (the server went away, a deadlock, a
+    lock wait ran out): the whole batch is retried. Anything else is this event's fault."""
+    return exc.connection_invalidated or isinstance(
+        exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.InternalError
+    )
+
+
+def apply_events(
+    conn: sa.Connection,
+    batch: Sequence[SesEvent],
+    *,
+    now: datetime,
+    actor: str = ACTOR,
+) -> list[Applied]:
+    """Apply ``batch`` in the caller's transaction (which it then commits); one
+    :class:`Applied` per event, in the batch's order. ``now`` is the database's clock.
+
+    Events are applied in key order, so two replicas holding overlapping batches take the
+    keys' locks in the same order and wait for each other instead of deadlocking. On
+    PostgreSQL and MySQL/MariaDB each event runs in a savepoint: one the database refuses
+    (a value it will not store) is rolled back alone, :attr:`Effect.REFUSED`, left on the
+    queue for its dead-letter queue, and the rest of the batch still commits. An outage
+    (lost connection, deadlock, lock wait timeout) raises: the caller rolls the batch back
+    and deletes nothing."""
+    results: dict[int, Applied] = {}
+    isolate = conn.dialect.name != "sqlite"  # pysqlite's SAVEPOINT needs the engine's fix
+    for index, event in sorted(enumerate(batch), key=lambda item: item[1].key):
+        if not isolate:
+            results[index] = _apply_one(conn, event, now, actor)
+            continue
+        try:
+            with conn.begin_nested():
+                applied = _apply_one(conn, event, now, actor)
+        except sa.exc.DBAPIError as exc:
+            if _is_outage(exc):
+                raise
+            _log.error(
+                "the database refused an event; left on the queue: %s",
+                getattr(exc, "orig", None) or exc,
+                extra={"action": "event_refused", "event_key": event.key},
+            )
+            results[index] = Applied(event=event, effect=Effect.REFUSED)
+            continue
+        results[index] = applied
+    for applied in results.values():
+        _log_applied(applied)
+    return [results[i] for i in range(len(batch))]
+
+
+def _log_applied(applied: Applied) -> None:
+    event = applied.event
+    extra = {
+        "action": f"event_{applied.effect.value}",
+        "message_id": applied.message_id,
+        "event_type": event.type.value,
+        "provider_message_id": event.provider_message_id,
+    }
+    if applied.effect is Effect.DUPLICATE_SEND:
+        _log.warning("two sends of this message reached SES", extra=extra)
+    elif applied.effect is Effect.MALFORMED:
+        _log.warning(
+            "not an SES event (%s); left on the queue for its dead-letter queue",
+            event.error,
+            extra={**extra, "event_key": event.key},
+        )
+    elif applied.effect is Effect.RESOLVED:
+        _log.info("an event proved SES took the send: sent", extra=extra)
+    elif applied.effect is Effect.UNMATCHED:
+        _log.info("no message of ours: recorded", extra=extra)
+    elif applied.effect is Effect.RECORDED and applied.message_id is not None:
+        _log.debug("recorded", extra=extra)
+    for address in applied.suppressed:
+        _log.info(
+            "address suppressed",
+            extra={"action": "suppressed", "message_id": applied.message_id, "to": address},
+        )
+
+
+def announce(sender: object, batch: Iterable[Applied]) -> None:
+    """Send the intake's signals for ``batch`` (after it committed), from ``sender``: a
+    receiver that raises is logged, the others still hear."""
+    for applied in batch:
+        if applied.message_id is None or applied.effect in (Effect.DUPLICATE, Effect.REFUSED):
+            continue
+        event = applied.event
+        common = {
+            "message_id": applied.message_id,
+            "category": applied.category,
+            "provider_message_id": event.provider_message_id,
+        }
+        if applied.resolved:
+            _send(signals.reconciled, sender, result="sent", **common)
+        detail = {**common, "recipients": event.recipients, "event_at": event.event_at}
+        if event.type is EventType.DELIVERY:
+            _send(signals.delivered, sender, **detail)
+        elif event.type is EventType.BOUNCE:
+            kind, _, sub = (event.detail or "").partition("/")
+            _send(
+                signals.bounced,
+                sender,
+                bounce_type=kind or None,
+                bounce_subtype=sub or None,
+                **detail,
+            )
+        elif event.type is EventType.COMPLAINT:
+            _send(signals.complained, sender, feedback_type=event.detail, **detail)
+
+
+def _send(signal: Any, sender: object, **kw: Any) -> None:
+    try:
+        signal.send(sender, **kw)
+    except Exception:
+        _log.exception("a receiver of %s failed", signal.name, extra={"action": "signal_error"})
+
+
+# -- the SQS loop --------------------------------------------------------------------------
+
+
+def build_client(
+    queue_url: str, *, wait_seconds: int, connect_timeout: float = 5.0, region: str | None = None
+) -> Any:
+    """The intake's SQS client, from boto3's standard configuration chain (region,
+    credentials, ``AWS_ENDPOINT_URL_SQS``), with botocore's retries off (the loop retries,
+    with its own backoff) and a read timeout longer than the long poll. Without a configured
+    region the queue URL's (``sqs.<region>.amazonaws.com``) is used."""
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session(region_name=region)
+    if not session.region_name:
+        fallback = os.environ.get("AWS_REGION") or _region_of(queue_url)
+        if fallback:
+            session = boto3.session.Session(region_name=fallback)
+    if not session.region_name:
+        raise ConfigurationError(
+            "AWS_REGION",
+            "no AWS region configured for SQS (AWS_REGION, AWS_DEFAULT_REGION, the profile's "
+            "region, or a queue URL of the form https://sqs.<region>.amazonaws.com/...)",
+        )
+    if session.get_credentials() is None:
+        raise ConfigurationError(
+            "AWS credentials", "none found in the standard chain (env, profile, role)"
+        )
+    config = Config(
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        connect_timeout=connect_timeout,
+        read_timeout=wait_seconds + 10.0,
+        tcp_keepalive=True,
+    )
+    return session.client("sqs", config=config)
+
+
+def _region_of(queue_url: str) -> str | None:
+    host = (urlsplit(queue_url).hostname or "").split(".")
+    if len(host) >= 3 and host[0] == "sqs" and host[-2:] == ["amazonaws", "com"]:
+        return host[1]
+    return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QueueInfo:
+    """What the intake read of its queue at start: its dead-letter queue's ARN and
+    ``maxReceiveCount`` (None without a redrive policy), and its visibility timeout."""
+
+    dead_letter_arn: str | None
+    max_receive_count: int | None
+    visibility_timeout: int | None
+
+
+_MISSING_QUEUE = frozenset(
+    {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "InvalidAddress"}
+)
+
+
+class Intake:
+    """The loop of one intake replica: ``run()`` until :meth:`request_stop` (or, with
+    ``exit_when_idle``, until a receive comes back empty). Any number of replicas may share a
+    queue and a database.
+
+    ``client`` is a boto3 SQS client (:func:`build_client`); ``clock`` replaces the database's
+    clock (tests that set ``received_at`` by hand). Counters for the metrics: :attr:`counts`
+    (``(type, effect)``: events), :attr:`errors` (``sqs``, ``database``)."""
+
+    def __init__(
+        self,
+        *,
+        engine: sa.Engine,
+        client: Any,
+        queue_url: str,
+        wait_seconds: int = 20,
+        exit_when_idle: bool = False,
+        actor: str = ACTOR,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.engine = engine
+        self.client = client
+        self.queue_url = queue_url
+        self.wait_seconds = wait_seconds
+        self.exit_when_idle = exit_when_idle
+        self.actor = actor
+        self._rng = rng if rng is not None else random.Random()
+        self._stopping = threading.Event()
+        self._failures = 0  # consecutive failed passes
+        self.queue: QueueInfo | None = None  # read by check_queue
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.loop_at: float | None = None  # monotonic time of the loop's last pass
+        self.waiting_at: float | None = None
+
+    def request_stop(self) -> None:
+        """Stop after the batch in hand (a long poll in progress ends within
+        ``wait_seconds``). Thread/signal-safe."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def check_queue(self) -> QueueInfo:
+        """Read the queue's redrive policy and visibility timeout. A queue that does not
+        exist (or cannot be read with these credentials) is a :class:`ConfigurationError`
+        naming its URL; without a redrive policy, a warning: malformed messages then come
+        back forever. Other SQS errors (endpoint unreachable) raise as botocore's."""
+        from botocore.exceptions import ClientError
+
+        try:
+            answer = self.client.get_queue_attributes(
+                QueueUrl=self.queue_url, AttributeNames=["RedrivePolicy", "VisibilityTimeout"]
+            )
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _MISSING_QUEUE:
+                raise ConfigurationError(
+                    "--events-queue-url", f"no SQS queue at {self.queue_url} ({code})"
+                ) from None
+            if code in ("AccessDenied", "AccessDeniedException", "InvalidClientTokenId"):
+                raise ConfigurationError(
+                    "--events-queue-url",
+                    f"cannot read the SQS queue at {self.queue_url} ({code}): the relay needs "
+                    "sqs:GetQueueAttributes, sqs:ReceiveMessage and sqs:DeleteMessage on it",
+                ) from None
+            raise
+        attributes = answer.get("Attributes", {})
+        info = _queue_info(attributes)
+        self.queue = info
+        if info.dead_letter_arn is None:
+            _log.warning(
+                "the events queue has no redrive policy: a malformed message will be "
+                "received again forever; give it a dead-letter queue (RedrivePolicy)",
+                extra={"action": "no_dead_letter_queue", "queue": self.queue_url},
+            )
+        return info
+
+    def run(self) -> None:
+        """Receive and apply until stopped; never raises for SQS or database errors (they are
+        logged and retried after a jittered backoff)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        _log.info(
+            "event intake started", extra={"action": "intake_started", "queue": self.queue_url}
+        )
+        try:
+            while not self._stopping.is_set():
+                self.loop_at = time.monotonic()
+                try:
+                    if self.queue is None:
+                        self.check_queue()
+                    received = self.step()
+                except (BotoCoreError, ClientError) as exc:
+                    self._failed("sqs", exc)
+                    continue
+                except sa.exc.DBAPIError as exc:
+                    self._failed("database", getattr(exc, "orig", None) or exc)
+                    continue
+                except ConfigurationError as exc:  # the queue was deleted while running
+                    self._failed("sqs", exc)
+                    continue
+                self._failures = 0
+                if received == 0 and self.exit_when_idle:
+                    _log.info("queue empty, exiting", extra={"action": "idle_exit"})
+                    break
+        finally:
+            self.loop_at = None
+            _log.info("event intake stopped", extra={"action": "intake_stopped"})
+
+    def _failed(self, kind: str, exc: BaseException) -> None:
+        self._failures += 1
+        self.errors[kind] += 1
+        delay = self.backoff()
+        _log.warning(
+            "%s error: %s; retrying in %.1fs",
+            "SQS" if kind == "sqs" else kind,
+            exc,
+            delay,
+            extra={"action": f"intake_{kind}_error", "failures": self._failures},
+        )
+        self._stopping.wait(delay)
+
+    def backoff(self) -> float:
+        """Jittered exponential, 0.5 s to 30 s: replicas failing together do not retry in
+        step."""
+        return min(30.0, 0.25 * 2.0 ** min(self._failures, 8)) * self._rng.uniform(0.5, 1.0)
+
+    def step(self) -> int:
+        """One pass: receive up to :data:`MAX_MESSAGES` (long poll), apply them in one
+        transaction, commit, delete the ones whose effect committed, send the signals. The
+        number received. An SQS error on the receive or a database error raises, and nothing
+        is deleted; a failed delete only means those messages come again (and are then
+        duplicates)."""
+        answer = self.client.receive_message(
+            QueueUrl=self.queue_url,
+            MaxNumberOfMessages=MAX_MESSAGES,
+            WaitTimeSeconds=self.wait_seconds,
+        )
+        received = answer.get("Messages") or []
+        if not received:
+            return 0
+        parsed = [parse(str(m.get("Body", ""))) for m in received]
+        with self.engine.begin() as conn:
+            now = read_database_time(conn)
+            applied = apply_events(conn, parsed, now=now, actor=self.actor)
+        for result in applied:
+            self.counts[(result.event.type.value, result.effect.value)] += 1
+        self._delete(
+            [
+                m["ReceiptHandle"]
+                for m, result in zip(received, applied, strict=True)
+                if result.delete
+            ]
+        )
+        announce(self, applied)
+        return len(received)
+
+    def _delete(self, handles: list[str]) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if not handles:
+            return
+        entries = [{"Id": str(i), "ReceiptHandle": h} for i, h in enumerate(handles)]
+        try:
+            answer = self.client.delete_message_batch(QueueUrl=self.queue_url, Entries=entries)
+        except (BotoCoreError, ClientError) as exc:
+            self.errors["sqs"] += 1
+            _log.warning(
+                "cannot delete %d applied messages (%s): they will be received again, as "
+                "duplicates",
+                len(entries),
+                exc,
+                extra={"action": "delete_failed"},
+            )
+            return
+        failed = answer.get("Failed") or []
+        if failed:
+            self.errors["sqs"] += 1
+            _log.warning(
+                "SQS did not delete %d applied messages (%s): they will be received again, "
+                "as duplicates",
+                len(failed),
+                ", ".join(sorted({str(f.get("Code")) for f in failed})),
+                extra={"action": "delete_failed"},
+            )
+
+
+def _queue_info(attributes: dict[str, Any]) -> QueueInfo:
+    import json
+
+    policy: dict[str, Any] = {}
+    raw = attributes.get("RedrivePolicy")
+    if raw:
+        try:
+            loaded = json.loads(raw)
+        except ValueError:
+            loaded = {}
+        policy = loaded if isinstance(loaded, dict) else {}
+    count = policy.get("maxReceiveCount")
+    visibility = attributes.get("VisibilityTimeout")
+    return QueueInfo(
+        dead_letter_arn=policy.get("deadLetterTargetArn") or None,
+        max_receive_count=_whole(count),
+        visibility_timeout=_whole(visibility),
+    )
+
+
+def _whole(value: object) -> int | None:
+    text = str(value) if isinstance(value, int | str) else ""
+    return int(text) if text.isascii() and text.isdecimal() else None
