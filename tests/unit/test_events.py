@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 from datetime import UTC, datetime
+from email.utils import parseaddr
 from pathlib import Path
 from typing import Any
 
@@ -559,6 +560,23 @@ def test_addresses_are_lower_cased_addr_specs_once_each():
     parsed = parse(body(event))
     assert parsed.recipients == ("jane@example.com", "mary@example.com")
     assert parsed.suppress == parsed.recipients
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(max_size=40)
+    | st.from_regex(r"[A-Za-z0-9.+_-]{1,12}@[A-Za-z0-9.-]{1,12}", fullmatch=True)
+)
+@example("Jane.Doe+tag@Example.com")
+@example("a.@example.com")
+def test_an_address_is_the_addr_spec_email_utils_reads_in_it(raw):
+    event = fixture("event_bounce_permanent.json")
+    event["bounce"]["bouncedRecipients"] = [{"emailAddress": raw}]
+    address = parseaddr(raw)[1].lower()
+    usable = (
+        address.count("@") == 1 and address.isprintable() and not any(c.isspace() for c in address)
+    )
+    assert parse(body(event)).recipients == ((address,) if usable else ())
 
 
 @pytest.mark.parametrize("recipients", [None, "recipient@example.com", {"a": 1}, 7])
