@@ -486,6 +486,18 @@ class PublishedEvent:
     published_at: float | None = None  # time.time() when it was handed to SNS / SQS
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Settings:
+    """The plan's ``events_*`` settings as they were when SES took a send."""
+
+    envelope: str
+    drop: float
+    drop_sends: float
+    duplicate: float
+    delivery_delay: float
+    reorder: float
+
+
 class EventPublisher:
     """Builds and publishes the events of accepted sends on its own thread, as ``plan`` says:
 
@@ -500,7 +512,9 @@ class EventPublisher:
     * ``events_delivery_delay``: share of delivered recipients that get a DeliveryDelay first;
     * ``events_reorder``: share of sends whose recipients' events are published before the Send.
 
-    An error is passed to ``on_error`` and the event is lost, never raised to the sender."""
+    The settings in force when SES took a send apply to its events, whenever they are
+    published. An error is passed to ``on_error`` and the event is lost, never raised to the
+    sender."""
 
     def __init__(
         self, destination: EventQueue, plan: FaultPlan, on_error: Callable[[str], None]
@@ -534,9 +548,18 @@ class EventPublisher:
     ) -> None:
         """Publish the events of a send SES accepted at ``wall`` (epoch seconds): returns at
         once, the building and publishing happen on the publisher's thread."""
+        plan = self.plan
+        settings = _Settings(
+            envelope=plan.events_envelope,
+            drop=plan.events_drop,
+            drop_sends=plan.events_drop_sends,
+            duplicate=plan.events_duplicate,
+            delivery_delay=plan.events_delivery_delay,
+            reorder=plan.events_reorder,
+        )
         with self._cond:
-            due = time.monotonic() + self.plan.events_delay
-            send = (request, message_id, outbox_id, wall)
+            due = time.monotonic() + plan.events_delay
+            send = (request, message_id, outbox_id, wall, settings)
             heapq.heappush(self._heap, (due, next(self._order), send))
             self._cond.notify()
 
@@ -579,24 +602,29 @@ class EventPublisher:
                     self._cond.notify_all()
 
     def _publish_send(
-        self, request: dict[str, Any], message_id: str, outbox_id: int | None, wall: float
+        self,
+        request: dict[str, Any],
+        message_id: str,
+        outbox_id: int | None,
+        wall: float,
+        settings: _Settings,
     ) -> None:
-        plan = self.plan
+        roll = self.plan.events_roll
         delayed = [
             address
             for address in _recipients(request)
-            if fates(address)[0] == "delivery" and plan.events_roll() < plan.events_delivery_delay
+            if fates(address)[0] == "delivery" and roll() < settings.delivery_delay
         ]
         built = build_events(
             request, message_id, datetime.fromtimestamp(wall, UTC), delayed=delayed
         )
-        if plan.events_roll() < plan.events_reorder:
+        if roll() < settings.reorder:
             built = [*built[1:], built[0]]
-        drop_all = plan.events_roll() < plan.events_drop_sends
-        envelope = plan.events_envelope
+        drop_all = roll() < settings.drop_sends
+        envelope = settings.envelope
         for kind, recipient, event in built:
-            copies = 0 if drop_all or plan.events_roll() < plan.events_drop else 1
-            if copies and plan.events_roll() < plan.events_duplicate:
+            copies = 0 if drop_all or roll() < settings.drop else 1
+            if copies and roll() < settings.duplicate:
                 copies = 2
             for _ in range(copies):
                 self._publish(event, envelope)
