@@ -35,6 +35,12 @@ status and a Content-Length, which is what botocore parses an error code from. E
 id from the ``outbox_message_id`` tag, recipient count, moto's MessageId if moto accepted it,
 and when the client signed it by its own clock: ``X-Amz-Date``).
 
+Events: ``FaultServer(upstream, plan, events=queue)`` (an
+:class:`~tests.support.ses_events.EventQueue`, the ``event_queue`` fixture) publishes, for every
+send moto accepted, the events SES would (Send, then each recipient's Delivery, Bounce or
+Complaint as the mailbox simulator decides) to the queue's SNS topic, after the answer went
+out, on a thread of their own; ``plan.events_*`` delay, drop or duplicate them.
+
 TLS mode: ``FaultServer(upstream, plan, tls=context)`` serves HTTPS with a server-side
 ``ssl.SSLContext`` (a client trusts its certificate through ``AWS_CA_BUNDLE``); its URL is then
 ``https://``. The handshake runs on the connection's own thread.
