@@ -1,8 +1,13 @@
-"""Operator commands of ``outbox-relay``: status, list, show, requeue, cancel, prune.
+"""Operator commands of ``outbox-relay``: status, list, show, requeue, cancel, resolve,
+prune and suppressions.
 
 Each command checks everything it was given before it changes anything: a bad id, status or
 filter stops it with a message and no change. Bulk changes (filters instead of ids) need
-``--yes``. Requeue and cancel record the operator's reason as an attempt row.
+``--yes``. Requeue, cancel and resolve record the operator's reason as an attempt row. Every
+change an operator makes (requeue, cancel, resolve, suppressions, prune) is also written to
+the operators' log, ``outbox_operator_actions``, in the transaction of the change itself: a
+change that rolls back leaves no log row, and a log row that cannot be written rolls its
+change back.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -20,7 +26,15 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from outbox.schema import TERMINAL, AttemptOutcome, Status, utcnow
+from outbox.schema import (
+    TERMINAL,
+    AttemptOutcome,
+    OperatorAction,
+    Status,
+    messages,
+    operator_actions,
+    utcnow,
+)
 from relay import store
 from relay.cli_options import database_url, first_line, open_database, option
 from relay.clock import read_database_time
@@ -34,6 +48,7 @@ __all__ = [
     "parse_duration",
     "prune",
     "requeue",
+    "resolve",
     "show",
     "status",
 ]
@@ -173,11 +188,86 @@ def _json(value: Any) -> str:
     return json.dumps(plain(value), indent=2, sort_keys=True)
 
 
-def _operator() -> str:
+def _os_user() -> str:
+    """The operator's name when ``--actor`` is not given: the OS user, as ``getpass`` finds
+    it (``LOGNAME``, ``USER``, ..., then the password database); ``unknown`` in a container
+    that has none."""
     try:
-        return f"operator:{getpass.getuser()}"
+        return getpass.getuser() or "unknown"
     except (KeyError, OSError):
-        return "operator"
+        return "unknown"
+
+
+_ACTOR_LENGTH = 128  # "operator:" + it fits outbox_attempts.relay_id (255)
+
+
+def _check_actor(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+    if value is None:
+        return _os_user()
+    if not 1 <= len(value) <= _ACTOR_LENGTH or not value.isprintable() or value != value.strip():
+        raise click.BadParameter(
+            f"must be 1 to {_ACTOR_LENGTH} printable characters without surrounding spaces"
+        )
+    return value
+
+
+_actor = option(
+    "--actor",
+    callback=_check_actor,
+    show_default=False,
+    help="Who is acting, as the operators' log records it (default: the OS user).",
+)
+
+
+def _operator(actor: str) -> str:
+    """The ``relay_id`` of an operator's attempt rows."""
+    return f"operator:{actor}"
+
+
+def _detail(**fields: Any) -> str:
+    """The ``detail`` of a log row: its facts as compact JSON, keys sorted."""
+    return json.dumps(plain(fields), sort_keys=True, separators=(",", ":"))
+
+
+def _action(
+    at: datetime,
+    actor: str,
+    action: OperatorAction,
+    *,
+    message_id: int | None = None,
+    address: str | None = None,
+    reason: str | None = None,
+    detail: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "at": at,
+        "actor": actor,
+        "action": action.value,
+        "message_id": message_id,
+        "address": address,
+        "reason": reason,
+        "detail": detail,
+    }
+
+
+def _log(conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """log_actions -- Append rows to the operators' log, in the caller's transaction (one
+    executemany for a batch)."""
+    if rows:
+        conn.execute(sa.insert(operator_actions), list(rows))
+
+
+def _lock_statuses(
+    conn: sa.Connection, ids: Sequence[int], allowed: Sequence[str] | None = None
+) -> dict[int, str]:
+    """lock_for_change -- The status of each of ``ids`` (only those in ``allowed``, when
+    given), the rows locked ``FOR UPDATE`` on PostgreSQL and MariaDB until the transaction
+    ends: the status logged as a change's ``from`` is the one the change replaced. A relay's
+    claim skips the locked rows (``SKIP LOCKED``); this waits for a claim that holds one."""
+    stmt = sa.select(messages.c.id, messages.c.status).where(messages.c.id.in_(ids))
+    if allowed is not None:
+        stmt = stmt.where(messages.c.status.in_(allowed))
+    return {row.id: row.status for row in conn.execute(stmt.with_for_update())}
 
 
 # -- read -----------------------------------------------------------------------------------
@@ -407,15 +497,18 @@ def _change(
     yes: bool,
     reason: str | None,
     as_json: bool,
+    actor: str,
     *,
     verb: str,
     done_as: AttemptOutcome,
+    action: OperatorAction,
     allowed: Sequence[str],
     apply: Callable[..., list[int]],
 ) -> None:
     """Apply ``apply`` to the chosen messages, ``CHANGE_BATCH`` ids per transaction (each
-    batch's rows and their operator attempt rows commit together); ``done_as`` is the past
-    tense that the output and the attempt rows use (the status's own spelling: ``cancelled``).
+    batch's rows, their operator attempt rows and their log rows commit together);
+    ``done_as`` is the past tense that the output and the attempt rows use (the status's own
+    spelling: ``cancelled``).
     """
     if ids and any(filters.values()):
         raise click.UsageError("give message ids or filters, not both")
@@ -429,7 +522,12 @@ def _change(
             raise click.UsageError(f"{len(chosen)} messages match; add --yes to {verb} them all")
         try:
             done = _in_batches(
-                engine, chosen, reason, by_id=bool(ids), verb=verb, done_as=done_as, apply=apply
+                engine,
+                chosen,
+                reason,
+                _Change(actor=actor, verb=verb, done_as=done_as, action=action, allowed=allowed),
+                by_id=bool(ids),
+                apply=apply,
             )
         except _Interrupted as stopped:
             if as_json:  # a script learns exactly which ids are done and which to give again
@@ -465,14 +563,24 @@ def _change(
     click.echo(f"{done_as} {len(done)} message(s){tail}")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Change:
+    """What a bulk change does and how it is recorded."""
+
+    actor: str
+    verb: str  # the command: requeue, cancel
+    done_as: AttemptOutcome  # the attempt rows' outcome, and the past tense of the output
+    action: OperatorAction  # the log rows' action
+    allowed: Sequence[str]  # the statuses it changes
+
+
 def _in_batches(
     engine: sa.Engine,
     chosen: Sequence[int],
     reason: str | None,
+    change: _Change,
     *,
     by_id: bool,
-    verb: str,
-    done_as: AttemptOutcome,
     apply: Callable[..., list[int]],
 ) -> list[int]:
     """The ids changed, batch by batch in id order. Stopped part way, it says how far it got:
@@ -482,17 +590,33 @@ def _in_batches(
     done: list[int] = []
     reached = 0  # how many of ``chosen`` the committed batches covered
     committing: list[int] = []  # the changes of a batch whose COMMIT is under way
-    operator = _operator()
+    verb, done_as, actor = change.verb, change.done_as, change.actor
+    operator = _operator(actor)
     try:
         with _progress(len(chosen), f"{verb} {len(chosen)} message(s)") as advance:
             for start in range(0, len(chosen), CHANGE_BATCH):
                 batch = chosen[start : start + CHANGE_BATCH]
                 with engine.begin() as conn:
                     now = read_database_time(conn)  # requeued rows are due by the relays' clock
-                    changed = apply(conn, ids=batch, now=now)
+                    before = _lock_statuses(conn, batch, change.allowed)
+                    changed = apply(conn, ids=sorted(before), now=now)
                     store.record_attempts(
                         conn,
                         (_operator_attempt(i, now, operator, done_as, reason) for i in changed),
+                    )
+                    _log(
+                        conn,
+                        [
+                            _action(
+                                now,
+                                actor,
+                                change.action,
+                                message_id=i,
+                                reason=reason,
+                                detail=_detail(previous_status=before[i]),
+                            )
+                            for i in changed
+                        ],
                     )
                     committing, since, upto_batch = changed, now, start + len(batch)
                 committing = []
@@ -570,6 +694,7 @@ def _operator_attempt(
 _as_json = click.option(
     "--json", "as_json", is_flag=True, help="Machine-readable result (counts and ids)."
 )
+_REQUEUEABLE = (Status.UNKNOWN_OUTCOME.value, Status.FAILED.value)
 
 
 @click.command()
@@ -578,10 +703,11 @@ _as_json = click.option(
 @_filters
 @click.option("--reason", help="Why: recorded with the message's attempts.")
 @click.option("--yes", is_flag=True, help="Confirm a bulk requeue (filters instead of ids).")
+@_actor
 @_as_json
 def requeue(
-    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, as_json: bool,
-    **filters: Any,
+    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, actor: str,
+    as_json: bool, **filters: Any,
 ) -> None:  # fmt: skip
     """Send unknown_outcome or failed messages again: back to pending, due now, with a fresh
     attempt budget.
@@ -591,10 +717,11 @@ def requeue(
     Changes 500 messages per transaction; a progress bar shows on a terminal.
     """
     _change(
-        database_url, ids, filters, yes, reason, as_json,
+        database_url, ids, filters, yes, reason, as_json, actor,
         verb="requeue",
         done_as=AttemptOutcome.REQUEUED,
-        allowed=(Status.UNKNOWN_OUTCOME.value, Status.FAILED.value),
+        action=OperatorAction.REQUEUE,
+        allowed=_REQUEUEABLE,
         apply=store.requeue_many,
     )  # fmt: skip
 
@@ -605,21 +732,242 @@ def requeue(
 @_filters
 @click.option("--reason", help="Why: recorded with the message's attempts.")
 @click.option("--yes", is_flag=True, help="Confirm a bulk cancel (filters instead of ids).")
+@_actor
 @_as_json
 def cancel(
-    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, as_json: bool,
-    **filters: Any,
+    database_url: str, ids: tuple[int, ...], reason: str | None, yes: bool, actor: str,
+    as_json: bool, **filters: Any,
 ) -> None:  # fmt: skip
     """Cancel pending or retrying messages so they are never sent (a message being sent right
     now cannot be cancelled). Changes 500 messages per transaction; a progress bar shows on a
     terminal."""
     _change(
-        database_url, ids, filters, yes, reason, as_json,
+        database_url, ids, filters, yes, reason, as_json, actor,
         verb="cancel",
         done_as=AttemptOutcome.CANCELLED,
+        action=OperatorAction.CANCEL,
         allowed=(Status.PENDING.value, Status.RETRYING.value),
         apply=store.cancel_many,
     )  # fmt: skip
+
+
+# Where resolve --delivered takes a row from. Not processing (a relay holds it and will say
+# itself), not sent (nothing to close), not cancelled (the outbox never sent it).
+_RESOLVABLE = (
+    Status.UNKNOWN_OUTCOME.value,
+    Status.FAILED.value,
+    Status.EXPIRED.value,
+    Status.PENDING.value,
+    Status.RETRYING.value,
+)
+_WHY_NOT_RESOLVED = {
+    Status.PROCESSING.value: "it is processing: a relay holds it and is sending it now; wait "
+    "until it leaves processing (`outbox-relay show {id}`), then resolve it if it needs it",
+    Status.SENT.value: "it is already sent",
+    Status.CANCELLED.value: "it was cancelled: the outbox never sent it, so it cannot have "
+    "been delivered by it",
+}
+_PROVIDER_ID_LENGTH = 255  # outbox_messages.provider_message_id
+
+
+def _check_provider_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not (1 <= len(value) <= _PROVIDER_ID_LENGTH and value.isprintable()):
+        raise click.BadParameter(f"must be 1 to {_PROVIDER_ID_LENGTH} printable characters")
+    return value
+
+
+def _mark_resolved(
+    conn: sa.Connection,
+    *,
+    message_id: int,
+    expected: str,
+    now: datetime,
+    provider_message_id: str | None,
+) -> bool:
+    """resolve_delivered -- A row an operator knows reached its recipient -> sent, by the
+    database's clock, its claim fields cleared; the provider id replaced only when given.
+    Conditional on the status the operator saw, so a relay or the event intake moving the
+    row first makes this change nothing (no lost update)."""
+    values: dict[str, Any] = {
+        "status": Status.SENT.value,
+        "sent_at": now,
+        "claim_token": None,
+        "lease_expires_at": None,
+        "updated_at": now,
+    }
+    if provider_message_id is not None:
+        values["provider_message_id"] = provider_message_id
+    result = conn.execute(
+        sa.update(messages)
+        .where(messages.c.id == message_id, messages.c.status == expected)
+        .values(**values)
+    )
+    return result.rowcount == 1
+
+
+def _provider_id_of(conn: sa.Connection, message_id: int) -> str | None:
+    stmt = sa.select(messages.c.provider_message_id).where(messages.c.id == message_id)
+    return conn.execute(stmt).scalar_one_or_none()
+
+
+@click.command()
+@database_url
+@click.argument("message_id", type=int)
+@click.option("--delivered", is_flag=True, help="It reached its recipient: mark it sent.")
+@click.option("--not-delivered", is_flag=True, help="It did not: requeue it (as `requeue` does).")
+@click.option(
+    "--provider-message-id",
+    callback=_check_provider_id,
+    help="With --delivered: the SES message id that proves it (kept on the row).",
+)
+@click.option("--reason", help="Why: recorded with the message's attempts and in the log.")
+@_actor
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+def resolve(
+    database_url: str, message_id: int, delivered: bool, not_delivered: bool,
+    provider_message_id: str | None, reason: str | None, actor: str, as_json: bool,
+) -> None:  # fmt: skip
+    """Close a message whose fate an operator has established.
+
+    --delivered: it reached its recipient (SES's event history, CloudWatch, the recipient
+    says so). From unknown_outcome, failed, expired, pending or retrying it becomes sent, now,
+    with --provider-message-id if given; it is never sent again.
+
+    --not-delivered: it did not. From unknown_outcome or failed it goes back to pending, due
+    now, exactly as `requeue` does: the relay sends it again.
+
+    Both are recorded as an attempt row and in the operators' log, in one transaction with
+    the change.
+    """
+    if delivered == not_delivered:
+        raise click.UsageError("give exactly one of --delivered or --not-delivered")
+    if not_delivered and provider_message_id is not None:
+        raise click.UsageError("--provider-message-id goes with --delivered only")
+    with _database(database_url) as engine, engine.begin() as conn:
+        now = read_database_time(conn)
+        previous = _lock_statuses(conn, [message_id]).get(message_id)
+        if previous is None:
+            raise click.ClickException(f"no message with id {message_id}")
+        if delivered:
+            result = _resolve_delivered(
+                conn, message_id, previous, now, provider_message_id, reason, actor
+            )
+        else:
+            result = _resolve_not_delivered(conn, message_id, previous, now, reason, actor)
+    if as_json:
+        click.echo(_json({"command": "resolve", "message_id": message_id, **result}))
+        return
+    how = "delivered: sent" if delivered else "not delivered: requeued"
+    click.echo(f"resolved message {message_id} as {how} (was {previous})")
+
+
+def _resolve_delivered(
+    conn: sa.Connection,
+    message_id: int,
+    previous: str,
+    now: datetime,
+    provider_message_id: str | None,
+    reason: str | None,
+    actor: str,
+) -> dict[str, Any]:
+    if previous not in _RESOLVABLE:
+        why = _WHY_NOT_RESOLVED.get(previous, f"it is {previous}").format(id=message_id)
+        raise click.ClickException(f"cannot resolve message {message_id} as delivered: {why}")
+    earlier_id = _provider_id_of(conn, message_id)
+    if not _mark_resolved(
+        conn,
+        message_id=message_id,
+        expected=previous,
+        now=now,
+        provider_message_id=provider_message_id,
+    ):
+        raise click.ClickException(
+            f"message {message_id} moved on from {previous} meanwhile (a relay or the event "
+            "intake took it); nothing changed: `outbox-relay show` it"
+        )
+    store.record_attempts(
+        conn,
+        [
+            store.AttemptRecord(
+                message_id=message_id,
+                claim_token=None,
+                relay_id=_operator(actor),
+                started_at=None,
+                finished_at=now,
+                outcome=AttemptOutcome.RESOLVED,
+                error_message=reason,
+                provider_message_id=provider_message_id,
+            )
+        ],
+    )
+    facts: dict[str, Any] = {"previous_status": previous}
+    if provider_message_id is not None:
+        facts["provider_message_id"] = provider_message_id
+        if earlier_id not in (None, provider_message_id):
+            facts["previous_provider_message_id"] = earlier_id
+    _log(
+        conn,
+        [
+            _action(
+                now,
+                actor,
+                OperatorAction.RESOLVE_DELIVERED,
+                message_id=message_id,
+                reason=reason,
+                detail=_detail(**facts),
+            )
+        ],
+    )
+    return {
+        "resolution": "delivered",
+        "status": Status.SENT.value,
+        "sent_at": now,
+        "provider_message_id": provider_message_id or earlier_id,
+        "actor": actor,
+        **facts,
+    }
+
+
+def _resolve_not_delivered(
+    conn: sa.Connection,
+    message_id: int,
+    previous: str,
+    now: datetime,
+    reason: str | None,
+    actor: str,
+) -> dict[str, Any]:
+    if previous not in _REQUEUEABLE:
+        raise click.ClickException(
+            f"cannot resolve message {message_id} as not delivered: it is {previous}; only "
+            f"{' or '.join(_REQUEUEABLE)} messages are requeued"
+        )
+    if store.requeue_many(conn, ids=[message_id], now=now) != [message_id]:
+        raise click.ClickException(
+            f"message {message_id} moved on from {previous} meanwhile; nothing changed"
+        )
+    store.record_attempts(
+        conn,
+        [_operator_attempt(message_id, now, _operator(actor), AttemptOutcome.REQUEUED, reason)],
+    )
+    _log(
+        conn,
+        [
+            _action(
+                now,
+                actor,
+                OperatorAction.RESOLVE_NOT_DELIVERED,
+                message_id=message_id,
+                reason=reason,
+                detail=_detail(previous_status=previous),
+            )
+        ],
+    )
+    return {
+        "resolution": "not_delivered",
+        "status": Status.PENDING.value,
+        "previous_status": previous,
+        "actor": actor,
+    }
 
 
 def _span(value: timedelta) -> str:
@@ -747,4 +1095,4 @@ def _prune_batches(engine: sa.Engine, cutoff: datetime, batch_size: int, expecte
         ) from None
 
 
-COMMANDS = (status, list_, show, requeue, cancel, prune)
+COMMANDS = (status, list_, show, requeue, cancel, resolve, prune)
