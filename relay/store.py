@@ -1037,8 +1037,9 @@ def _window_end(dialect: str) -> sa.ColumnElement[Any]:
     """``send_started_at + reconcile_after`` seconds, computed by the database (each row has
     its own window), in the form its timestamps are stored in so the comparison with
     ``outbox_events.received_at`` can use that column's index. SQLite stores text and its
-    date functions keep milliseconds: the end is truncated to the millisecond, which moves a
-    window of minutes by less than one."""
+    date functions keep milliseconds only (parsing and formatting each cut up to one): its
+    end is put 3 ms later, so it is never earlier than the true end (late by less than 3 ms
+    on a window of minutes, never early)."""
     started, window = _m.c.send_started_at, _m.c.reconcile_after
     if dialect == "postgresql":
         seconds = sa.func.make_interval(0, 0, 0, 0, 0, 0, window, type_=sa.Interval())
@@ -1046,7 +1047,7 @@ def _window_end(dialect: str) -> sa.ColumnElement[Any]:
     if dialect in ("mysql", "mariadb"):
         micros = sa.cast(sa.func.round(window * 1_000_000), sa.BigInteger())
         return sa.func.timestampadd(sa.literal_column("MICROSECOND"), micros, started)
-    modifier = sa.literal("+") + sa.cast(window, sa.Text()) + sa.literal(" seconds")
+    modifier = sa.literal("+") + sa.cast(window + 0.003, sa.Text()) + sa.literal(" seconds")
     return sa.func.strftime("%Y-%m-%d %H:%M:%f", started, modifier)
 
 

@@ -1,0 +1,305 @@
+"""The reconcile policy: an ambiguous send is held, and requeued once, automatically, only when
+the event intake provably flowed past its window without an event for it.
+
+Flowing means outbox_events holds an event committed (``received_at``, the database's clock)
+later than the attempt's start plus ``reconcile_after``, about mail SES took (``mail_at``, SES's
+clock) later than that too. The events are inserted here directly, with chosen times; what the
+intake does with a late Send event after a requeue is the intake's own test. On SQLite,
+PostgreSQL and MariaDB.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+from datetime import datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import AmbiguityPolicy, Category, Outbox
+from outbox.schema import events
+from relay import signals, store
+from relay.clock import read_database_time
+from relay.senders import Ambiguous
+from relay.testing import FakeSender
+from tests.support.db import attempt_rows, row
+from tests.support.factories import enqueue
+from tests.support.hand_clocks import Clock
+from tests.support.inprocess import closing, receiving, relay_for, settle
+
+WINDOW = 60.0
+OUTBOX = Outbox(
+    categories=[
+        Category(name="receipts", ambiguity=AmbiguityPolicy.RECONCILE, reconcile_after=WINDOW),
+        Category(name="resent", ambiguity=AmbiguityPolicy.RESEND, max_attempts=1),
+    ]
+)
+
+
+def held(backend, category: str = "receipts", count: int = 1) -> list[int]:
+    """``count`` messages of ``category`` whose one send was ambiguous: unknown_outcome, with
+    the attempt's start kept in ``send_started_at``."""
+    ids = enqueue(backend.engine, count, outbox=OUTBOX, category=category)
+    relay = relay_for(backend, FakeSender(lambda m: Ambiguous(code="ReadTimeout")))
+    with closing(relay):
+        settle(relay)
+        settle(relay)
+    for mid in ids:
+        r = row(backend.engine, mid)
+        assert (r.status, r.last_error_code) == ("unknown_outcome", "ReadTimeout")
+        assert r.send_started_at is not None
+    return ids
+
+
+def started(backend, mid: int) -> datetime:
+    return row(backend.engine, mid).send_started_at
+
+
+def event(
+    backend,
+    *,
+    received_at: datetime,
+    mail_at: datetime | None,
+    message_id: int | None = None,
+    effect: str = "unmatched",
+) -> None:
+    """An event row as the intake commits it (the times chosen by the test)."""
+    with backend.engine.begin() as conn:
+        conn.execute(
+            sa.insert(events).values(
+                event_key=uuid.uuid4().hex,
+                received_at=received_at,
+                event_type="delivery",
+                event_at=mail_at,
+                mail_at=mail_at,
+                message_id=message_id,
+                effect=effect,
+                source="sns",
+            )
+        )
+
+
+def flowing_past(backend, mid: int, seconds: float = 1.0) -> None:
+    """An event (another message's) stamped ``seconds`` past ``mid``'s window on both clocks."""
+    after = started(backend, mid) + timedelta(seconds=WINDOW + seconds)
+    event(backend, received_at=after, mail_at=after)
+
+
+def reconcile(backend, *, now: datetime | None = None, relay_id: str = "r1") -> list[int]:
+    with backend.engine.begin() as conn:
+        when = now if now is not None else read_database_time(conn)
+        return [r.id for r in store.reconcile_unknown(conn, now=when, relay_id=relay_id)]
+
+
+def outcomes(backend, mid: int) -> list[str]:
+    return [a.outcome for a in attempt_rows(backend.engine, mid)]
+
+
+def test_a_reconcile_row_is_requeued_once_the_intake_flowed_past_its_window(backend):
+    (mid,) = held(backend)
+    before = row(backend.engine, mid)
+    assert before.reconcile_after == WINDOW
+    assert before.ambiguity_policy == "hold"  # stored as hold, with its window
+    flowing_past(backend, mid)
+    with backend.engine.begin() as conn:
+        now = read_database_time(conn)
+        [done] = store.reconcile_unknown(conn, now=now, relay_id="r1")
+    assert (done.id, done.category, done.send_started_at) == (
+        mid,
+        "receipts",
+        before.send_started_at,
+    )
+    r = row(backend.engine, mid)
+    assert (r.status, r.attempt_count, r.next_attempt_at) == ("pending", 0, now)
+    assert (r.claim_token, r.lease_expires_at, r.send_started_at) == (None, None, None)
+    requeued = attempt_rows(backend.engine, mid)[-1]
+    assert (requeued.outcome, requeued.relay_id, requeued.claim_token) == (
+        "reconcile:requeued",
+        "r1",
+        None,
+    )
+    assert requeued.finished_at == now
+    assert reconcile(backend) == []  # nothing left to do
+
+
+@pytest.mark.parametrize(
+    ("received", "mail"),
+    [
+        (-1.0, -1.0),  # both inside the window
+        (WINDOW, WINDOW),  # exactly at its end: not past it
+        (+5.0, -1.0),  # committed late, but about mail SES took inside the window (a backlog)
+        (-1.0, +5.0),  # SES's clock past, the database's not
+        (+5.0, None),  # no mail time: proves nothing about SES's clock
+    ],
+)
+def test_events_not_past_the_window_on_both_clocks_requeue_nothing(backend, received, mail):
+    (mid,) = held(backend)
+    t0 = started(backend, mid)
+
+    def at(offset: float) -> datetime:
+        return t0 + timedelta(seconds=offset if offset == WINDOW else WINDOW + offset)
+
+    event(backend, received_at=at(received), mail_at=None if mail is None else at(mail))
+    assert reconcile(backend) == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+def test_without_any_event_nothing_is_ever_requeued(backend):
+    (mid,) = held(backend)
+    far = started(backend, mid) + timedelta(days=3650)
+    assert reconcile(backend, now=far) == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+def test_an_event_for_the_row_keeps_it_for_the_intake(backend):
+    (mid,) = held(backend)
+    event(
+        backend,
+        received_at=started(backend, mid) + timedelta(seconds=1),
+        mail_at=started(backend, mid),
+        message_id=mid,
+        effect="recorded",
+    )
+    flowing_past(backend, mid)
+    assert reconcile(backend) == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.parametrize("category", ["default", "resent"])
+def test_hold_and_resend_rows_are_never_reconciled(backend, category):
+    (mid,) = held(backend, category)  # resend with its one attempt used: held too
+    assert row(backend.engine, mid).reconcile_after is None
+    flowing_past(backend, mid, seconds=3600)
+    assert reconcile(backend) == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+def test_a_row_requeued_once_that_comes_back_ambiguous_stays_for_a_human(backend):
+    (mid,) = held(backend)
+    flowing_past(backend, mid)
+    assert reconcile(backend) == [mid]
+    sender = FakeSender(lambda m: Ambiguous(code="ReadTimeout"))
+    relay = relay_for(backend, sender)
+    with closing(relay):
+        settle(relay)
+        settle(relay)
+    assert len(sender.calls) == 1
+    assert row(backend.engine, mid).status == "unknown_outcome"
+    flowing_past(backend, mid, seconds=3600)
+    assert reconcile(backend) == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
+    assert outcomes(backend, mid) == ["ambiguous", "reconcile:requeued", "ambiguous"]
+
+
+def test_a_skewed_relay_clock_cannot_requeue_early(backend):
+    """Neither the relay's clock nor the ``now`` it passes decides: a relay whose clock runs
+    a day ahead requeues nothing while the database's events stay inside the window, and
+    requeues once they are past it."""
+    (mid,) = held(backend)
+    t0 = started(backend, mid)
+    inside = t0 + timedelta(seconds=WINDOW - 1)
+    event(backend, received_at=inside, mail_at=inside)
+    ahead = Clock(t0 + timedelta(days=1))
+    sender = FakeSender()
+    relay = relay_for(backend, sender, ahead, relay_id="r2")
+    with closing(relay), receiving(signals.reconciled, relay) as reconciled:
+        relay._last_reconcile = relay._last_sweep = -math.inf
+        relay.step()
+        assert row(backend.engine, mid).status == "unknown_outcome"
+        assert reconcile(backend, now=ahead()) == []
+        assert reconciled == []
+        flowing_past(backend, mid)
+        relay._last_reconcile = relay._last_sweep = -math.inf
+        relay.step()
+    assert row(backend.engine, mid).status == "pending"
+    assert [(r["message_id"], r["result"]) for r in reconciled] == [(mid, "requeued")]
+
+
+def test_the_relays_sweep_requeues_and_the_next_claim_sends_it_once(backend):
+    (mid, other) = held(backend, count=2)
+    event(
+        backend,
+        received_at=started(backend, other),
+        mail_at=started(backend, other),
+        message_id=other,
+        effect="resolved",
+    )  # the other one's Send event came (the intake resolves that one)
+    flowing_past(backend, mid)
+    sender = FakeSender()
+    relay = relay_for(backend, sender, relay_id="r2")
+    with closing(relay), receiving(signals.reconciled, relay) as reconciled:
+        relay._last_reconcile = relay._last_sweep = -math.inf
+        settle(relay)
+    assert [(r["message_id"], r["category"], r["result"]) for r in reconciled] == [
+        (mid, "receipts", "requeued")
+    ]
+    assert sender.sent_ids == [mid]
+    assert row(backend.engine, mid).status == "sent"
+    assert row(backend.engine, other).status == "unknown_outcome"
+    assert outcomes(backend, mid) == ["ambiguous", "reconcile:requeued", "accepted"]
+    [first, _requeued, second] = attempt_rows(backend.engine, mid)
+    assert first.claim_token != second.claim_token  # the new attempt has its own tag
+
+
+def test_two_relays_reconciling_in_turn_requeue_once(backend):
+    (mid,) = held(backend)
+    flowing_past(backend, mid)
+    assert reconcile(backend, relay_id="r1") == [mid]
+    assert reconcile(backend, relay_id="r2") == []
+    assert outcomes(backend, mid).count("reconcile:requeued") == 1
+
+
+def test_the_oldest_attempts_go_first_and_a_pass_is_bounded(backend):
+    ids = held(backend, count=3)
+    flowing_past(backend, ids[-1])
+    with backend.engine.begin() as conn:
+        now = read_database_time(conn)
+        first = store.reconcile_unknown(conn, now=now, relay_id="r1", limit=2)
+    assert len(first) == 2
+    assert [r.send_started_at for r in first] == sorted(r.send_started_at for r in first)
+    assert sorted(reconcile(backend) + [r.id for r in first]) == ids
+
+
+def test_two_relays_racing_on_stale_reads_requeue_once(server_backend):
+    """Both reconciles read the row as requeueable before either writes (no locks: the
+    guarded UPDATE alone must hold): one requeues it, the other's UPDATE finds it moved."""
+    backend = server_backend
+    (mid,) = held(backend)
+    flowing_past(backend, mid)
+    both_read = threading.Barrier(2, timeout=10)
+    results: dict[str, list[store.Reconciled]] = {}
+    errors: list[BaseException] = []
+    waiting = threading.local()
+
+    def before_update(conn, cursor, statement, *args):
+        if statement.lstrip().upper().startswith("UPDATE OUTBOX_MESSAGES") and not getattr(
+            waiting, "done", False
+        ):
+            waiting.done = True
+            both_read.wait()
+
+    def run(relay_id: str) -> None:
+        try:
+            with backend.engine.begin() as conn:
+                now = read_database_time(conn)
+                results[relay_id] = store.reconcile_unknown(
+                    conn, now=now, relay_id=relay_id, lock=False
+                )
+        except BaseException as exc:
+            errors.append(exc)
+
+    sa.event.listen(backend.engine, "before_cursor_execute", before_update)
+    try:
+        threads = [threading.Thread(target=run, args=(name,)) for name in ("r1", "r2")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        sa.event.remove(backend.engine, "before_cursor_execute", before_update)
+    assert errors == []
+    assert sorted(len(found) for found in results.values()) == [0, 1]
+    assert outcomes(backend, mid).count("reconcile:requeued") == 1
+    assert row(backend.engine, mid).status == "pending"
