@@ -17,7 +17,7 @@ from outbox.exceptions import (
     UnknownCategory,
 )
 from outbox.message import Attachment, Email
-from outbox.schema import AmbiguityPolicy, AttemptOutcome, RelayState, Status
+from outbox.schema import AmbiguityPolicy, AttemptOutcome, DeliveryStatus, RelayState, Status
 from outbox.session import Outbox
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "AttemptOutcome",
     "Category",
     "ConfigurationError",
+    "DeliveryStatus",
     "Email",
     "EnqueueError",
     "EnqueueNotWritten",

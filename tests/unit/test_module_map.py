@@ -23,7 +23,7 @@ NAME = re.compile(r"`([A-Za-z_][\w.]*(?:\.\*)?)`")
 # the senders the command line picks from; nothing else knows them by name
 CONCRETE_SENDERS = ("relay.senders.console", "relay.senders.ses", "relay.senders.smtp")
 COMMAND_LINE = ("relay.cli", "relay.admin", "relay.cli_options")
-PURE = ("relay.policy", "relay.pause", "relay.ratelimit")
+PURE = ("relay.policy", "relay.pause", "relay.ratelimit", "relay.events")
 SHARED_WITH_THE_RELAY = (
     "outbox.enqueue",
     "outbox.exceptions",

@@ -30,6 +30,7 @@ EXPORTS = {
         "AttemptOutcome",
         "Category",
         "ConfigurationError",
+        "DeliveryStatus",
         "Email",
         "EnqueueError",
         "EnqueueNotWritten",
@@ -84,6 +85,7 @@ EXPORTS = {
     "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "make_engine"],
     "relay.http": ["Server", "start_http_server"],
     "relay.metrics": ["CLAIM_BUCKETS", "SEND_BUCKETS", "RelayMetrics"],
+    "relay.events": ["MAX_BODY_BYTES", "SesEvent", "parse"],
 }
 
 
