@@ -31,6 +31,8 @@ from outbox.schema import (
     AttemptOutcome,
     OperatorAction,
     Status,
+    attempts,
+    events,
     messages,
     operator_actions,
     utcnow,
@@ -981,8 +983,96 @@ def _span(value: timedelta) -> str:
     return f"{count_s} second{'' if count_s == '1' else 's'}"
 
 
-def _prunable(cutoff: datetime) -> store.Filter:
-    return store.Filter(statuses=TERMINAL, created_before=cutoff, changed_before=cutoff)
+def _prunable_statuses(include_unknown_outcome: bool) -> tuple[str, ...]:
+    statuses = [s.value for s in TERMINAL]
+    if include_unknown_outcome:
+        statuses.append(Status.UNKNOWN_OUTCOME.value)
+    return tuple(statuses)
+
+
+def _prunable(cutoff: datetime, statuses: Sequence[str]) -> store.Filter:
+    return store.Filter(statuses=tuple(statuses), created_before=cutoff, changed_before=cutoff)
+
+
+def _count_prunable_events(conn: sa.Connection, cutoff: datetime, statuses: Sequence[str]) -> int:
+    """count_prunable_events -- The events a prune with this cutoff would delete: those of
+    the messages it deletes, and those matched to no message received before the cutoff."""
+    of_old = sa.select(messages.c.id).where(*_prunable_where(cutoff, statuses))
+    stmt = sa.select(sa.func.count()).where(
+        sa.or_(
+            events.c.message_id.in_(of_old),
+            sa.and_(events.c.message_id.is_(None), events.c.received_at < cutoff),
+        )
+    )
+    return int(conn.execute(stmt).scalar_one())
+
+
+def _prunable_where(cutoff: datetime, statuses: Sequence[str]) -> list[sa.ColumnElement[bool]]:
+    """The messages a prune deletes (as :func:`_prunable` for ``store.count_messages``)."""
+    return [
+        messages.c.status.in_(statuses),
+        messages.c.created_at < cutoff,
+        messages.c.updated_at < cutoff,
+    ]
+
+
+def _prune_messages(
+    conn: sa.Connection, *, before: datetime, limit: int, statuses: Sequence[str]
+) -> tuple[int, int]:
+    """prune_messages -- Delete up to ``limit`` messages in ``statuses`` created and last
+    changed before ``before``, with their attempts and events; (messages, events) deleted.
+    Rows another transaction holds are skipped (``SKIP LOCKED``), and the delete re-checks
+    the status, so a row that moved meanwhile stays."""
+    ids = list(
+        conn.execute(
+            sa.select(messages.c.id)
+            .where(*_prunable_where(before, statuses))
+            .order_by(messages.c.id)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).scalars()
+    )
+    if not ids:
+        return 0, 0
+    conn.execute(sa.delete(attempts).where(attempts.c.message_id.in_(ids)))
+    gone = conn.execute(sa.delete(events).where(events.c.message_id.in_(ids))).rowcount
+    result = conn.execute(
+        sa.delete(messages).where(messages.c.id.in_(ids), messages.c.status.in_(statuses))
+    )
+    return int(result.rowcount), int(gone)
+
+
+def _prune_unmatched_events(conn: sa.Connection, *, before: datetime, limit: int) -> int:
+    """prune_unmatched_events -- Delete up to ``limit`` events matched to no message (another
+    deployment's, malformed, or for a row already pruned) received before ``before``."""
+    ids = list(
+        conn.execute(
+            sa.select(events.c.id)
+            .where(events.c.message_id.is_(None), events.c.received_at < before)
+            .order_by(events.c.id)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).scalars()
+    )
+    if not ids:
+        return 0
+    return int(conn.execute(sa.delete(events).where(events.c.id.in_(ids))).rowcount)
+
+
+def _log_prune(conn: sa.Connection, log_id: int | None, row: dict[str, Any]) -> int:
+    """log_prune -- The prune's one log row: inserted with its first transaction, its counts
+    brought up to date in each later one, so the row always says what the committed batches
+    deleted."""
+    if log_id is None:
+        inserted = conn.execute(sa.insert(operator_actions).values(**row)).inserted_primary_key
+        assert inserted is not None
+        return int(inserted[0])
+    conn.execute(
+        sa.update(operator_actions)
+        .where(operator_actions.c.id == log_id)
+        .values(detail=row["detail"])
+    )
+    return log_id
 
 
 @click.command()
@@ -1009,23 +1099,32 @@ def _prunable(cutoff: datetime) -> store.Filter:
     show_default=True,
     help="Rows deleted per transaction.",
 )
+@click.option(
+    "--include-unknown-outcome",
+    is_flag=True,
+    help="Delete old unknown_outcome messages too (their fate is then never known).",
+)
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@_actor
 @click.option(
     "--json", "as_json", is_flag=True, help="Machine-readable result (counts, cutoff, clamping)."
 )
 def prune(
     database_url: str, older_than: timedelta, dedup_window: timedelta, batch_size: int,
-    dry_run: bool, as_json: bool,
+    include_unknown_outcome: bool, dry_run: bool, actor: str, as_json: bool,
 ) -> None:  # fmt: skip
-    """Delete finished messages (sent, failed, cancelled, expired) and their attempts.
+    """Delete finished messages (sent, resolved as delivered, failed, cancelled, expired),
+    their attempts and their events, and events matched to no message, older than the cutoff.
 
     Pruning a message forgets its idempotency key, so the same key could be enqueued and sent
     again: messages younger than --dedup-window are never pruned, whatever --older-than says
-    (a line on stderr says so when it clamps). unknown_outcome messages are never pruned.
-    Deletes in batches of --batch-size, each its own short transaction; a progress bar shows
-    on a terminal.
+    (a line on stderr says so when it clamps). unknown_outcome messages are kept unless
+    --include-unknown-outcome. The operators' log is never pruned; the prune itself is
+    written to it (one row, its counts and cutoff). Deletes in batches of --batch-size, each
+    its own short transaction; a progress bar shows on a terminal.
     """
     clamped = older_than < dedup_window
+    statuses = _prunable_statuses(include_unknown_outcome)
     with _database(database_url) as engine:
         if clamped:
             click.echo(
@@ -1035,19 +1134,36 @@ def prune(
                 err=True,
             )
         with engine.connect() as conn:
-            cutoff = read_database_time(conn) - max(older_than, dedup_window)
+            now = read_database_time(conn)
+            cutoff = now - max(older_than, dedup_window)
             matched = (
-                store.count_messages(conn, _prunable(cutoff))
+                store.count_messages(conn, _prunable(cutoff, statuses))
                 if dry_run or _show_progress()
                 else None
             )
+            matched_events = _count_prunable_events(conn, cutoff, statuses) if dry_run else 0
+        facts = {
+            "cutoff": cutoff,
+            "older_than_seconds": older_than.total_seconds(),
+            "dedup_window_seconds": dedup_window.total_seconds(),
+            "include_unknown_outcome": include_unknown_outcome,
+        }
         interrupted: _Interrupted | None = None
+        pruned = _Pruned()
         try:
-            deleted = 0 if dry_run else _prune_batches(engine, cutoff, batch_size, matched or 0)
+            if not dry_run:
+                _prune_batches(
+                    engine, pruned, cutoff, batch_size, matched or 0,
+                    statuses=statuses, log=_action(now, actor, OperatorAction.PRUNE), facts=facts,
+                )  # fmt: skip
         except _Interrupted as stopped:  # --json still says how many went, then the line
-            interrupted, deleted = stopped, stopped.count
+            interrupted = stopped
     if as_json:
-        counts = {"would_delete": matched} if dry_run else {"deleted": deleted}
+        counts = (
+            {"would_delete": matched, "would_delete_events": matched_events}
+            if dry_run
+            else {"deleted": pruned.messages, "deleted_events": pruned.events}
+        )
         stop = {"interrupted": interrupted.why} if interrupted else {}
         click.echo(
             _json(
@@ -1056,9 +1172,7 @@ def prune(
                     "dry_run": dry_run,
                     **stop,
                     **counts,
-                    "cutoff": cutoff,
-                    "older_than_seconds": older_than.total_seconds(),
-                    "dedup_window_seconds": dedup_window.total_seconds(),
+                    **facts,
                     "clamped_to_dedup_window": clamped,
                 }
             )
@@ -1068,30 +1182,73 @@ def prune(
     if as_json:
         return
     if dry_run:
-        click.echo(f"would delete {matched} message(s) created before {_text(cutoff)}")
+        click.echo(
+            f"would delete {matched} message(s) created before {_text(cutoff)}, and "
+            f"{matched_events} event(s)"
+        )
     else:
-        click.echo(f"deleted {deleted} message(s) created before {_text(cutoff)}")
+        click.echo(
+            f"deleted {pruned.messages} message(s) created before {_text(cutoff)}, and "
+            f"{pruned.events} event(s)"
+        )
 
 
-def _prune_batches(engine: sa.Engine, cutoff: datetime, batch_size: int, expected: int) -> int:
-    """Delete batch by batch until a batch comes back short; stopped part way, it says how
-    many were deleted (each batch committed on its own; running it again goes on)."""
-    deleted = 0
+@dataclass(kw_only=True, slots=True)
+class _Pruned:
+    """What a prune's committed batches deleted so far."""
+
+    messages: int = 0
+    events: int = 0
+
+
+def _prune_batches(
+    engine: sa.Engine,
+    pruned: _Pruned,
+    cutoff: datetime,
+    batch_size: int,
+    expected: int,
+    *,
+    statuses: Sequence[str],
+    log: dict[str, Any],
+    facts: dict[str, Any],
+) -> None:
+    """Delete messages batch by batch until a batch comes back short, then the unmatched
+    events; each batch commits on its own with the prune's log row brought up to date.
+    Stopped part way, it says how many were deleted (running it again goes on)."""
+    log_id: int | None = None
+    messages_done = False
     try:
         with _progress(expected, f"prune {expected} message(s)") as advance:
             while True:
                 with engine.begin() as conn:
-                    count = store.prune_batch(conn, before=cutoff, limit=batch_size)
-                deleted += count
+                    if not messages_done:
+                        count, gone = _prune_messages(
+                            conn, before=cutoff, limit=batch_size, statuses=statuses
+                        )
+                    else:
+                        count, gone = (
+                            0,
+                            _prune_unmatched_events(conn, before=cutoff, limit=batch_size),
+                        )
+                    detail = _detail(
+                        **facts,
+                        deleted=pruned.messages + count,
+                        deleted_events=pruned.events + gone,
+                    )
+                    log_id = _log_prune(conn, log_id, {**log, "detail": detail})
+                pruned.messages += count
+                pruned.events += gone
                 advance(count)
-                if count < batch_size:
-                    return deleted
+                if messages_done and gone < batch_size:
+                    return
+                if not messages_done and count < batch_size:
+                    messages_done = True
     except (KeyboardInterrupt, sa.exc.DBAPIError) as exc:
         why = _why_stopped(exc)
         raise _Interrupted(
-            f"{why}: deleted {deleted} message(s) before it stopped; run the command again "
-            "to delete the rest",
-            count=deleted,
+            f"{why}: deleted {pruned.messages} message(s) before it stopped; run the command "
+            "again to delete the rest",
+            count=pruned.messages,
         ) from None
 
 

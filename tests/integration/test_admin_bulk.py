@@ -412,6 +412,8 @@ def test_prune_says_when_the_dedup_window_clamps_and_reports_json(backend):
         "command": "prune",
         "dry_run": True,
         "would_delete": 3,
+        "would_delete_events": 0,
+        "include_unknown_outcome": False,
         "older_than_seconds": 1.0,
         "dedup_window_seconds": 30 * 86400.0,
         "clamped_to_dedup_window": True,
