@@ -62,6 +62,36 @@ Four scenarios aim at one fault each:
   SES pauses for a window while the rest keeps flowing; the marketing mail is held, with no
   attempt used, and delivered once after the window; no relay pauses as a whole.
 
+Delivery truth (``--events``): the fault server publishes, for every send moto accepted
+(answered or not), the events SES would (Send, then Delivery) through SNS into an SQS queue on
+moto, and the relays read it (``run`` gives each ``outbox-relay run`` an
+``--events-queue-url``; ``process`` runs one ``outbox-relay events`` beside them). The
+enqueue adds a fourth category, ``reconcile`` (policy reconcile, a window of
+``RECONCILE_AFTER`` seconds instead of 15 minutes). After the chaos the faults end, a trickle
+of new mail (one every ``TICK_INTERVAL`` s: production traffic, whose events prove the intake
+flows past each window) runs until the intake and the reconcile sweeps owe nothing more, and
+the reconciliation adds, per ambiguous send (an unanswered attempt of hold or reconcile mail,
+told apart by its claim token, which the SES request carries as the ``outbox_attempt`` tag):
+
+* it reached SES (the fault server saw moto accept that claim token's request): the row is
+  ``sent`` with the MessageId moto gave that request, received once, never requeued;
+* it did not, reconcile mail: requeued once (attempt ``reconcile:requeued``), then received
+  exactly once; hold mail: still ``unknown_outcome``, for a human;
+* every event published is one ``outbox_events`` row, none malformed, the dead-letter queue
+  empty, and every sent row whose Delivery event was published is ``delivered``.
+
+``reconcile`` is the scenario made for it: a burst of SES faults (``FAULT_BURST`` seconds,
+shorter than the window, so each requeue is sent after it) with resets before forwarding
+(ambiguous sends SES never took, the ones reconcile requeues), then a SIGKILL; the events are
+on (``run``) unless ``--events`` says otherwise, off for every other scenario.
+``--event-faults`` also breaks the event stream: every event published a second late, a share
+duplicated, a share of sends with their Send event last, and all the events of a share of the
+sends SES *answered* dropped (of hold and resend mail only). A send whose events are lost and
+whose answer was lost too looks to reconcile exactly like a send that never reached SES: it
+would send it again. That is the window's inherent risk (``reconcile_after`` must outlast the
+intake's worst delay; an event SES never publishes it cannot cover), so the run does not lose
+the events of reconcile mail, and hold mail whose events were lost stays ``unknown_outcome``.
+
 ``--sender fake`` runs the relays with :class:`relay.testing.FakeSender` (no latency, a shared
 record of every send) instead of SES through moto: the throughput of the relay and the database
 alone, still reconciled per row (the xmin factor is measured this way).
@@ -70,6 +100,8 @@ Run alone::
 
     python -m tests.reliability.ledger --database-url URL --messages 3000 --relays 3 \\
         --scenario sigkill
+    python -m tests.reliability.ledger --database-url URL --messages 600 --scenario reconcile \\
+        --events process --event-faults
 """
 
 from __future__ import annotations
@@ -97,22 +129,35 @@ import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
 from outbox import Category, Outbox, migrations
-from outbox.schema import attempts, messages, relays
+from outbox.schema import attempts, events, messages, operator_actions, relays, suppressions
 from relay.db import make_engine
 from relay.testing import read_deliveries
 from tests.support.clocks import shifted
 from tests.support.factories import email
 from tests.support.relays import FAKE_SENDER, RELAY, RelayProc, clean_env, spawn, statuses
 from tests.support.ses import FaultPlan, FaultServer, MotoSes, SendRequest, aws_env
+from tests.support.ses_events import EventQueue
 from tests.support.tls import make_certificate
 from tests.support.waiting import wait_for
 
 FAST = Category(name="fast", backoff_base=0.2, backoff_cap=1.0)  # hold
 DIGEST = Category(name="digest", backoff_base=0.2, backoff_cap=1.0, ambiguity="resend")
 EXPIRING = Category(name="expiring", backoff_base=0.2, backoff_cap=1.0)  # hold, expires_at
-OUTBOX = Outbox(categories=[FAST, DIGEST, EXPIRING])
+RECONCILE_AFTER = 10.0  # seconds: the reconcile category's window (15 minutes in production)
+RECONCILE = Category(
+    name="reconcile",
+    backoff_base=0.2,
+    backoff_cap=1.0,
+    ambiguity="reconcile",
+    reconcile_after=RECONCILE_AFTER,
+)
+OUTBOX = Outbox(categories=[FAST, DIGEST, EXPIRING, RECONCILE])
+CATEGORIES = ("fast", "digest", "expiring")  # the enqueue's rotation without the events
+EVENT_CATEGORIES = (*CATEGORIES, "reconcile")  # and with them
+HELD = frozenset({"fast", "expiring", "reconcile"})  # an ambiguous send is parked, not resent
 SETTLED = frozenset({"sent", "failed", "unknown_outcome", "cancelled", "expired"})
 AMBIGUOUS_KINDS = frozenset({"hang", "reset", "tls_corrupt"})  # SES took it, unheard
+UNHEARD_KINDS = AMBIGUOUS_KINDS | {"reset_before"}  # and the one SES never took
 # attempts whose send may have reached SES without an answer
 UNANSWERED = frozenset({"ambiguous", "lease_expired", "stale:ambiguous"})
 SCENARIOS = (
@@ -131,8 +176,11 @@ SCENARIOS = (
     "clock_skew",
     "tls_fault",
     "paused_set",
+    "reconcile",
 )
 SENDERS = ("ses", "fake")
+# off; on in every relay (run --events-queue-url); one outbox-relay events process beside them
+EVENT_MODES = ("off", "run", "process")
 SEND_TIMEOUT = 2.0
 LEASE = 5.0
 POLL = 0.05  # seconds between two looks while waiting for something
@@ -149,6 +197,25 @@ CLOCK_OFFSETS = ("+120s", "-120s")  # clock_skew: the wall clocks of the first t
 TLS_FAULT_MIX = {"tls_corrupt": 0.03}
 PAUSED_SET = "marketing"  # paused_set: the configuration set SES pauses
 PAUSED_SET_WINDOW = 4.0  # seconds it stays paused
+# reconcile: a burst of SES faults with resets before forwarding (ambiguous, never reached
+# SES), shorter than the window, so every requeue is sent after it: a requeued row that came
+# back ambiguous would rightly wait for a human, and the run would prove nothing more
+RECONCILE_FAULT_MIX = {
+    "throttle": 0.10,
+    "server_error": 0.05,
+    "hang": 0.04,
+    "reset": 0.02,
+    "reset_before": 0.12,
+}
+FAULT_BURST = RECONCILE_AFTER - 2.0  # seconds
+TICK_INTERVAL = 0.5  # seconds between two messages of the trickle after the chaos
+# seconds the intake and the reconcile sweeps may take to owe nothing more after the chaos
+TRUTH_TIMEOUT = 60 + 4 * RECONCILE_AFTER
+# --event-faults: how the event stream is broken (see the module docstring)
+EVENTS_DELAY = 1.0  # seconds between SES taking a send and its events being published
+EVENTS_DUPLICATE = 0.1  # share of events published twice
+EVENTS_REORDER = 0.1  # share of sends whose Send event comes after the others
+EVENTS_DROP_ANSWERED = 0.3  # share of answered sends (hold, resend mail) whose events are lost
 
 
 @dataclass
@@ -211,6 +278,29 @@ class Summary:
     window_marketing_accepted: int = 0  # must be 0
     window_other_sends: int = 0  # other mail SES accepted during the window
     relay_states: Counter[str] = field(default_factory=Counter)
+    # delivery truth (--events): the intake's shape, the trickle after the chaos, how long the
+    # intake and the reconcile sweeps took to owe nothing more, and what became of the
+    # ambiguous sends of hold and reconcile mail (the figures of the closing note)
+    events: str = "off"
+    event_faults: bool = False
+    ticks: int = 0  # messages of the trickle (reconciled like the rest)
+    truth_seconds: float = 0.0
+    ambiguous_sends: int = 0  # unanswered attempts of hold and reconcile mail
+    ambiguous_rows: int = 0  # rows with at least one
+    ambiguous_reached: int = 0  # rows whose first ambiguous send SES took
+    resolved_by_events: int = 0  # of those, sent by its events with that send's id
+    events_lost_ambiguous: int = 0  # of those, hold mail whose events were dropped: left
+    requeued: int = 0  # reconcile:requeued attempts
+    requeued_delivered: int = 0  # requeued rows then received exactly once
+    left_for_human: int = 0  # hold and reconcile mail still unknown_outcome
+    reconcile_left: int = 0  # of those, reconcile mail: must be 0
+    events_published: int = 0  # distinct events published (one published twice counts once)
+    events_duplicated: int = 0  # published twice
+    events_dropped: int = 0  # never published
+    events_recorded: int = 0  # outbox_events rows
+    event_effects: Counter[str] = field(default_factory=Counter)
+    delivered_status: int = 0  # sent rows whose events made them 'delivered'
+    dead_letters: int = 0  # messages on the dead-letter queue at the end: must be 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -246,6 +336,7 @@ class Summary:
             f"cancels {self.cancel_confirmed} done, {self.cancel_lost} lost the race; "
             f"lease_expired attempts {self.lease_expired}; "
             + self.scenario_line()
+            + self.events_line()
             + (
                 f"SES requests {dict(self.requests)} at {self.throughput:.0f}/s; "
                 if self.sender == "ses"
@@ -253,6 +344,24 @@ class Summary:
             )
             + f"problems {len(self.problems)}"
             + "".join(f"; NOTE {note}" for note in self.notes)
+        )
+
+    def events_line(self) -> str:
+        """What the event intake and the reconcile sweeps did, with the events on."""
+        if self.events == "off":
+            return ""
+        return (
+            f"events {self.events}{' with event faults' if self.event_faults else ''}: "
+            f"{self.events_published} published ({self.events_duplicated} twice, "
+            f"{self.events_dropped} dropped), {self.events_recorded} recorded "
+            f"{dict(self.event_effects)}, dead letters {self.dead_letters}; "
+            f"ambiguous sends {self.ambiguous_sends} on {self.ambiguous_rows} rows: "
+            f"reached SES {self.ambiguous_reached} (resolved by events "
+            f"{self.resolved_by_events}, events lost {self.events_lost_ambiguous}), "
+            f"requeued {self.requeued} (then delivered once {self.requeued_delivered}), "
+            f"left for a human {self.left_for_human} (reconcile mail {self.reconcile_left}); "
+            f"delivered status {self.delivered_status}; trickle {self.ticks} messages, "
+            f"owed nothing {self.truth_seconds:.1f}s after the chaos; "
         )
 
     def scenario_line(self) -> str:
@@ -295,8 +404,8 @@ class RestartWindow:
 # -- setup -----------------------------------------------------------------------------------
 
 
-def category_of(n: int) -> str:
-    return ("fast", "digest", "expiring")[n % 3]
+def category_of(n: int, kinds: tuple[str, ...] = CATEGORIES) -> str:
+    return kinds[n % len(kinds)]
 
 
 def is_marketing(n: int) -> bool:
@@ -305,17 +414,22 @@ def is_marketing(n: int) -> bool:
 
 
 def enqueue(
-    engine: sa.Engine, count: int, *, expires_in: float, marketing: set[int] | None = None
+    engine: sa.Engine,
+    count: int,
+    *,
+    expires_in: float,
+    marketing: set[int] | None = None,
+    kinds: tuple[str, ...] = CATEGORIES,
 ) -> dict[int, str]:
-    """Enqueue ``count`` messages, a third per category; returns {id: category}. With
-    ``marketing`` (a set to fill with their ids) some are sent with the configuration set
-    ``PAUSED_SET``."""
+    """Enqueue ``count`` messages, an equal share per category of ``kinds``; returns
+    {id: category}. With ``marketing`` (a set to fill with their ids) some are sent with the
+    configuration set ``PAUSED_SET``."""
     Sessions, ids = sessionmaker(engine), {}
     expires_at = datetime.now(UTC) + timedelta(seconds=expires_in)
     for start in range(0, count, 500):
         with Sessions.begin() as session:
             for n in range(start, min(count, start + 500)):
-                cat = category_of(n)
+                cat = category_of(n, kinds)
                 chosen = marketing is not None and is_marketing(n)
                 result = OUTBOX.enqueue(
                     session,
@@ -334,8 +448,46 @@ def enqueue(
 
 def empty(engine: sa.Engine) -> None:
     with engine.begin() as conn:
-        for table in (attempts, messages, relays):
+        for table in (attempts, messages, relays, events, suppressions, operator_actions):
             conn.execute(table.delete())
+
+
+class Trickle:
+    """New mail while the reconcile windows run out: one ``fast`` message every
+    ``TICK_INTERVAL`` seconds on a thread of its own, as production traffic would keep coming.
+    Its events are what proves the intake flows past each ambiguous attempt's window; without
+    them the last ambiguous sends of a run would rightly never be requeued."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._Sessions = sessionmaker(engine)
+        self._stopping = threading.Event()
+        self.ids: dict[int, str] = {}
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="ledger-trickle", daemon=True)
+
+    def __enter__(self) -> Trickle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stopping.wait(0 if n == 0 else TICK_INTERVAL):
+            n += 1
+            try:
+                with self._Sessions.begin() as session:
+                    result = OUTBOX.enqueue(
+                        session,
+                        email(1_000_000 + n, subject=f"ledger tick {n}"),
+                        key=f"ledger:tick:{n}",
+                        category="fast",
+                    )
+                self.ids[result.id] = "fast"
+            except sa.exc.DBAPIError as exc:
+                self.errors.append(f"tick {n}: {type(exc).__name__}: {exc}"[:300])
 
 
 def poison(engine: sa.Engine, ids: list[int]) -> None:
@@ -357,8 +509,11 @@ class Fleet:
     args: tuple[str, ...]
     record: Path | None = None  # with the fake sender: its shared record of sends
     ca_bundle: Path | None = None  # the fault server's certificate, when it speaks TLS
+    events: str = "off"  # one of EVENT_MODES
+    queue: EventQueue | None = None  # the SES event queue (on moto), with the events on
     started: list[RelayProc] = field(default_factory=list)
     signalled: set[str] = field(default_factory=set)  # relay ids the harness killed or stopped
+    intakes: list[RelayProc] = field(default_factory=list)  # outbox-relay events processes
 
     def signal(self, proc: RelayProc, signum: int) -> None:
         if signum in (signal.SIGKILL, signal.SIGTERM):
@@ -370,18 +525,49 @@ class Fleet:
         clock runs that far off."""
         relay_id = f"ledger-{len(self.started) + 1}"
         log = self.workdir / f"{relay_id}.log"
-        env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
-        env.update(aws_env(self.endpoint))
-        if self.ca_bundle is not None:
-            env["AWS_CA_BUNDLE"] = str(self.ca_bundle)
+        env = self.env()
         sender = "ses"
         if self.record is not None:
             env.update(OUTBOX_FAKE_RECORD_FILE=str(self.record), OUTBOX_FAKE_LATENCY="0")
             sender = FAKE_SENDER
         if clock_offset is not None:
             env = shifted(env, clock_offset)
-        proc = spawn(self.url, sender, relay_id, log, env, *self.args)
+        args = self.args
+        if self.events == "run" and self.queue is not None:
+            args = (*args, "--events-queue-url", self.queue.url)
+        proc = spawn(self.url, sender, relay_id, log, env, *args)
         self.started.append(proc)
+        return proc
+
+    def env(self) -> dict[str, str]:
+        """A relay's environment: SES is the fault server, SQS and SNS moto itself (the
+        intake's calls are not the fault server's to break or count)."""
+        env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
+        events_url = self.queue.endpoint_url if self.queue is not None else None
+        env.update(aws_env(self.endpoint, events_url=events_url))
+        if self.ca_bundle is not None:
+            env["AWS_CA_BUNDLE"] = str(self.ca_bundle)
+        return env
+
+    def start_intake(self) -> RelayProc:
+        """Start one ``outbox-relay events`` process on the event queue (``--events process``):
+        the intake on its own, beside relays that only send."""
+        if self.queue is None:
+            raise ValueError("an events process needs the event queue")
+        name = f"ledger-events-{len(self.intakes) + 1}"
+        log = self.workdir / f"{name}.log"
+        command = [RELAY, "events", "--database-url", self.url]
+        command += ["--events-queue-url", self.queue.url, "--log-level", "WARNING"]
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(),
+            )
+        proc = RelayProc(popen, name, log)
+        self.intakes.append(proc)
         return proc
 
     def running(self) -> list[RelayProc]:
@@ -406,19 +592,27 @@ class Fleet:
                 summary.problems.append(
                     f"{proc.relay_id} exited {code} by itself: {proc.output()[-1500:]}"
                 )
-        running = self.running()
-        for proc in running:
-            proc.popen.send_signal(signal.SIGCONT)
-            proc.popen.send_signal(signal.SIGTERM)
-        for proc in running:
-            code = proc.wait(timeout)
-            if code != 0:
+        for proc in self.intakes:
+            code = proc.popen.poll()
+            if code is not None:
                 summary.problems.append(
-                    f"{proc.relay_id} exited {code} on SIGTERM: {proc.output()[-1500:]}"
+                    f"{proc.relay_id} exited {code} by itself: {proc.output()[-1500:]}"
                 )
+        running = self.running()
+        # the relays first: an intake of its own keeps reading the queue until they are done
+        for group in (running, [p for p in self.intakes if p.popen.poll() is None]):
+            for proc in group:
+                proc.popen.send_signal(signal.SIGCONT)
+                proc.popen.send_signal(signal.SIGTERM)
+            for proc in group:
+                code = proc.wait(timeout)
+                if code != 0:
+                    summary.problems.append(
+                        f"{proc.relay_id} exited {code} on SIGTERM: {proc.output()[-1500:]}"
+                    )
 
     def kill_all(self) -> None:
-        for proc in self.started:
+        for proc in [*self.started, *self.intakes]:
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGKILL)
                 proc.popen.wait(10)
@@ -927,6 +1121,14 @@ def inject(f: Faults, scenario: str) -> None:
         return
     if scenario == "clock_skew":
         return  # the skewed clocks are the fault: the relays started with them
+    if scenario == "reconcile":
+        f.at(0.05)
+        ses.plan.set(**RECONCILE_FAULT_MIX)
+        time.sleep(FAULT_BURST)
+        ses.plan.set()
+        f.at(0.5)
+        sigkill(engine, fleet, summary, rng)
+        return
     if scenario == "ses_faults":
         ses.plan.set(**SES_FAULT_MIX)
         f.at(0.3)
@@ -981,6 +1183,106 @@ def inject(f: Faults, scenario: str) -> None:
             victim.popen.send_signal(signal.SIGCONT)
         else:  # clean, poison, xmin: no fault during the run
             return
+
+
+class LossyEvents(FaultServer):
+    """The fault server losing every event of a share of the sends it answered (``pass``), of
+    mail that is not ``reconcile`` (``--event-faults``; why not reconcile mail: see the module
+    docstring). :attr:`lost` holds moto's MessageIds of those sends."""
+
+    def __init__(self, *args: Any, share: float, seed: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loss = random.Random(f"lost-events-{seed}")
+        self.share = share
+        self.lost: set[str] = set()
+
+    def _publish_events(self, send: SendRequest) -> None:
+        if (
+            send.kind == "pass"
+            and send.category != "reconcile"
+            and send.message_id is not None
+            and self._loss.random() < self.share
+        ):
+            self.lost.add(send.message_id)
+            return
+        super()._publish_events(send)
+
+
+def lost_events(ses: FaultServer) -> frozenset[str]:
+    """moto's MessageIds of the sends whose events were never published."""
+    return frozenset(ses.lost) if isinstance(ses, LossyEvents) else frozenset()
+
+
+OPEN = ("unknown_outcome", "pending", "retrying", "processing")  # what the events may still move
+
+
+def owed(engine: sa.Engine, ses: FaultServer, queue: EventQueue) -> str | None:
+    """What the intake and the reconcile sweeps still owe, or None: reconcile mail not yet
+    settled for good, rows SES took (and whose events were published) still open, events not
+    yet published, or messages still on the queue."""
+    lost = lost_events(ses)
+    took = {s.outbox_id for s in ses.sends if s.accepted and s.message_id not in lost}
+    with engine.connect() as conn:
+        rows = dict(
+            conn.execute(
+                sa.select(messages.c.id, messages.c.category).where(messages.c.status.in_(OPEN))
+            ).all()
+        )
+    parts = []
+    if mail := sorted(i for i, c in rows.items() if c == "reconcile"):
+        parts.append(f"reconcile mail open {mail[:10]}")
+    if taken := sorted(i for i in rows if i in took):
+        parts.append(f"rows SES took still open {taken[:10]}")
+    if ses.events is not None:
+        try:
+            ses.events.flush(0.01)
+        except TimeoutError:
+            parts.append("events not yet published")
+    counts = queue.counts()
+    if counts["visible"] or counts["in_flight"]:
+        parts.append(f"queue {counts}")
+    return "; ".join(parts) or None
+
+
+def await_truth(
+    engine: sa.Engine,
+    ses: FaultServer,
+    queue: EventQueue,
+    categories: dict[int, str],
+    summary: Summary,
+    total: int,
+) -> None:
+    """After the chaos: the faults end, the trickle runs, and the harness waits until the
+    intake and the reconcile sweeps owe nothing (:func:`owed`), then for the trickle's own mail
+    and events. Past ``TRUTH_TIMEOUT`` it records what is still owed; the reconciliation names
+    the rows."""
+    ses.plan.set()
+    ses.plan.paused = False
+    began = time.monotonic()
+
+    def settle(deadline: float) -> str | None:
+        while (left := owed(engine, ses, queue)) is not None and time.monotonic() < deadline:
+            time.sleep(POLL * 4)
+        return left
+
+    with Trickle(engine) as trickle:
+        left = settle(began + TRUTH_TIMEOUT)
+    categories.update(trickle.ids)
+    summary.ticks = len(trickle.ids)
+    summary.problems.extend(trickle.errors)
+    wait_for(
+        lambda: progress(engine, total + summary.ticks) >= 1.0,
+        interval=POLL,
+        timeout=30,
+        what=f"the trickle's mail settled ({dict(statuses(engine))})",
+    )
+    left = left or settle(time.monotonic() + 30)
+    summary.truth_seconds = time.monotonic() - began
+    if left is not None:
+        summary.problems.append(
+            f"{summary.truth_seconds:.0f}s after the chaos the intake and the reconcile "
+            f"sweeps still owe: {left}"
+        )
 
 
 def warm_up(moto: MotoSes) -> None:
@@ -1047,6 +1349,7 @@ def reconcile(
     summary: Summary,
     poisoned: set[int],
     record: Path | None = None,
+    queue: EventQueue | None = None,
 ) -> None:
     sends = ses.sends if record is None else fake_sends(record)
     accepted = Counter(s.outbox_id for s in sends if s.accepted and s.outbox_id is not None)
@@ -1057,7 +1360,7 @@ def reconcile(
     summary.requests = Counter(s.kind for s in sends)
     if len(sends) > 1:
         summary.throughput = (len(sends) - 1) / max(sends[-1].at - sends[0].at, 1e-6)
-    summary.ambiguous_faults = sum(1 for s in sends if s.kind in AMBIGUOUS_KINDS)
+    summary.ambiguous_faults = sum(1 for s in sends if s.kind in UNHEARD_KINDS)
     summary.delivered = len(accepted)
     summary.accepted = sum(accepted.values())
     # a relay killed (or a connection reset) mid-answer breaks the server's write: benign, the
@@ -1174,6 +1477,8 @@ def reconcile(
     reconcile_tls(rows, tries, sends, summary, problem)
     reconcile_outage(rows, tries, sends, accepted, summary, problem)
     reconcile_pause_window(rows, sends, accepted, summary, problem)
+    if summary.events != "off":
+        reconcile_events(engine, ses, queue, rows, tries, accepted, categories, summary, problem)
     faulted = {s.outbox_id for s in sends if s.kind in AMBIGUOUS_KINDS}
     # SES's own unanswered requests: moto took the message (the fault server saw it accepted)
     # and answered after the relay's read timeout (a loaded machine): ambiguous by definition
@@ -1309,6 +1614,127 @@ def reconcile_pause_window(
         )
 
 
+def attempt_tag(send: SendRequest) -> str | None:
+    """The ``outbox_attempt`` tag of a SendEmail request: the claim token it was sent under."""
+    for tag in send.request.get("EmailTags", []):
+        if tag.get("Name") == "outbox_attempt":
+            return str(tag.get("Value"))
+    return None
+
+
+def reconcile_events(
+    engine: sa.Engine,
+    ses: FaultServer,
+    queue: EventQueue | None,
+    rows: dict[int, Any],
+    tries: dict[int, list[Any]],
+    accepted: Counter[int],
+    categories: dict[int, str],
+    summary: Summary,
+    problem: Callable[[int, str], None],
+) -> None:
+    """With the events on: what became of each ambiguous send of hold and reconcile mail (an
+    unanswered attempt, by its claim token). If SES took it (a request with that token that
+    moto accepted), its events made the row ``sent`` with that request's MessageId and it was
+    never requeued; unless its events were lost, when hold mail stays ``unknown_outcome``. If
+    SES never took it, reconcile mail was requeued once and then received exactly once, and
+    hold mail stays ``unknown_outcome``. Reconcile mail never stays ``unknown_outcome``.
+    And the intake's own books: one ``outbox_events`` row per event published, none malformed,
+    no dead letter, every sent row whose Delivery event was published ``delivered``."""
+    lost = lost_events(ses)
+    # (row, claim token) -> moto's MessageId: a claim token names a claim, which may be a
+    # batch of rows, so only with the row does it name one send
+    took: dict[tuple[int, str], str] = {}
+    for send in ses.sends:
+        token = attempt_tag(send)
+        if send.accepted and send.message_id is not None and send.outbox_id is not None:
+            if token is None:
+                summary.problems.append(f"SES took #{send.outbox_id} with no outbox_attempt tag")
+            else:
+                took[send.outbox_id, token] = send.message_id
+    with engine.connect() as conn:
+        recorded = conn.execute(sa.select(events.c.message_id, events.c.effect)).all()
+    summary.events_recorded = len(recorded)
+    summary.event_effects = Counter(r.effect for r in recorded)
+    records = ses.events.records if ses.events is not None else []
+    published = [r for r in records if r.copies]
+    summary.events_published = len(published)
+    summary.events_duplicated = sum(1 for r in records if r.copies > 1)
+    summary.events_dropped = sum(1 for r in records if not r.copies) + len(lost)
+    if summary.events_recorded != summary.events_published:
+        summary.problems.append(
+            f"{summary.events_published} events published, {summary.events_recorded} recorded"
+        )
+    if summary.event_effects["malformed"]:
+        summary.problems.append(f"malformed events: {summary.event_effects}")
+    if queue is not None:
+        summary.dead_letters = queue.counts()["dead"]
+        if summary.dead_letters:
+            summary.problems.append(f"{summary.dead_letters} events on the dead-letter queue")
+    delivery_published = {r.outbox_id for r in published if r.kind == "delivery"}
+
+    for id_, row in rows.items():
+        category, mine = categories[id_], tries[id_]
+        if row.status == "sent":
+            if row.delivery_status == "delivered":
+                summary.delivered_status += 1
+            elif id_ in delivery_published:
+                problem(id_, f"its Delivery event was published, delivery {row.delivery_status}")
+        requeues = [a for a in mine if a.outcome == "reconcile:requeued"]
+        summary.requeued += len(requeues)
+        if requeues and category != "reconcile":
+            problem(id_, f"requeued by reconcile, but {category} mail is not reconcile mail")
+        if len(requeues) > 1:
+            problem(id_, f"requeued by reconcile {len(requeues)} times")
+        if category not in HELD:
+            continue  # resend mail: the relay retries an ambiguous send itself
+        tokens = list(
+            dict.fromkeys(
+                a.claim_token
+                for a in mine
+                if (a.outcome in UNANSWERED or a.outcome == "reconciled") and a.claim_token
+            )
+        )
+        if row.status == "unknown_outcome":
+            summary.left_for_human += 1
+            if category == "reconcile":
+                summary.reconcile_left += 1
+                problem(id_, f"reconcile mail left unknown_outcome: {[a.outcome for a in mine]}")
+        if not tokens:
+            if requeues:
+                problem(id_, "requeued by reconcile with no ambiguous send")
+            continue
+        summary.ambiguous_rows += 1
+        summary.ambiguous_sends += len(tokens)
+        first = (id_, tokens[0])
+        if first in took:
+            summary.ambiguous_reached += 1
+            provider_id = took[first]
+            if provider_id in lost:
+                summary.events_lost_ambiguous += 1
+                if category != "reconcile" and row.status != "unknown_outcome":
+                    problem(id_, "its ambiguous send's events were lost, yet it moved")
+            elif (row.status, row.provider_message_id, len(requeues)) == ("sent", provider_id, 0):
+                summary.resolved_by_events += 1
+            else:
+                problem(
+                    id_,
+                    f"its ambiguous send reached SES as {provider_id}, yet it ended "
+                    f"{row.status} with {row.provider_message_id}, requeued {len(requeues)}",
+                )
+        elif category == "reconcile":
+            if (row.status, accepted[id_], len(requeues)) == ("sent", 1, 1):
+                summary.requeued_delivered += 1
+            else:
+                problem(
+                    id_,
+                    f"its ambiguous send never reached SES: requeued {len(requeues)}, "
+                    f"ended {row.status}, received {accepted[id_]}",
+                )
+        elif row.status != "unknown_outcome" or requeues:
+            problem(id_, "hold mail whose ambiguous send never reached SES moved without a human")
+
+
 def reconcile_restarts(tries: dict[int, list[Any]], summary: Summary) -> None:
     """The sends in flight at each database restart: those in flight at the last read before
     the server went down, and those whose recorded start falls after that read (less a margin,
@@ -1365,14 +1791,25 @@ def run(
     settle_timeout: float = 180,
     restart_command: str | None = None,
     sender: str = "ses",
+    events: str | None = None,
+    event_faults: bool = False,
 ) -> Summary:
     """One ledger run. ``restart_command`` restarts the database server (``db_restart`` needs
     it; ``combined`` runs without a restart, and says so, when it is None). ``sender``:
-    ``ses`` (moto behind the fault server) or ``fake`` (no latency; no SES faults then)."""
+    ``ses`` (moto behind the fault server) or ``fake`` (no latency; no SES faults then).
+    ``events``: one of ``EVENT_MODES`` (None: ``run`` for the reconcile scenario, else
+    ``off``); ``event_faults`` breaks the event stream as the module docstring says."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
     if sender not in SENDERS:
         raise ValueError(f"unknown sender {sender!r}: one of {', '.join(SENDERS)}")
+    events = events or ("run" if scenario == "reconcile" else "off")
+    if events not in EVENT_MODES:
+        raise ValueError(f"unknown events mode {events!r}: one of {', '.join(EVENT_MODES)}")
+    if events != "off" and sender != "ses":
+        raise ValueError("the events come from the SES emulator: they need --sender ses")
+    if event_faults and events == "off":
+        raise ValueError("event faults need the events on")
     if sender == "fake" and scenario in ("ses_faults", "combined", "tls_fault", "paused_set"):
         raise ValueError(f"the {scenario} scenario injects SES faults: it needs --sender ses")
     if scenario == "db_restart" and not restart_command:
@@ -1381,7 +1818,15 @@ def run(
     own_moto = moto is None
     moto = moto or MotoSes()
     rng = random.Random(seed)
-    summary = Summary(scenario, engine.dialect.name, count, replicas, sender=sender)
+    summary = Summary(
+        scenario,
+        engine.dialect.name,
+        count,
+        replicas,
+        sender=sender,
+        events=events,
+        event_faults=event_faults,
+    )
     record = workdir / "fake-sends.log" if sender == "fake" else None
     try:
         migrations.upgrade(engine)
@@ -1389,7 +1834,13 @@ def run(
         moto.reset()
         warm_up(moto)
         marketing: set[int] | None = set() if scenario == "paused_set" else None
-        categories = enqueue(engine, count, expires_in=3 + count / 60, marketing=marketing)
+        categories = enqueue(
+            engine,
+            count,
+            expires_in=3 + count / 60,
+            marketing=marketing,
+            kinds=CATEGORIES if events == "off" else EVENT_CATEGORIES,
+        )
         summary.marketing = frozenset(marketing or ())
         poisoned: set[int] = set()
         if scenario == "poison":
@@ -1400,8 +1851,18 @@ def run(
         tls = certificate.server_context() if certificate is not None else None
         # hangs outlive the client's read timeout (an ambiguous send)
         plan = FaultPlan(seed=seed, hang_seconds=SEND_TIMEOUT + 1)
+        queue = EventQueue.create(moto.url) if events != "off" else None
         with contextlib.ExitStack() as stack:
-            ses = stack.enter_context(FaultServer(moto.url, plan, tls=tls))
+            if event_faults:
+                plan.events_delay = EVENTS_DELAY
+                plan.events_duplicate = EVENTS_DUPLICATE
+                plan.events_reorder = EVENTS_REORDER
+                server: FaultServer = LossyEvents(
+                    moto.url, plan, tls=tls, events=queue, share=EVENTS_DROP_ANSWERED, seed=seed
+                )
+            else:
+                server = FaultServer(moto.url, plan, tls=tls, events=queue)
+            ses = stack.enter_context(server)
             proxy = None
             if scenario == "db_outage":
                 proxy = stack.enter_context(DatabaseProxy(database_url))
@@ -1412,12 +1873,16 @@ def run(
                 relay_args(sender),
                 record,
                 ca_bundle=certificate.cert_file if certificate is not None else None,
+                events=events,
+                queue=queue,
             )
             started = time.monotonic()
             try:
                 for n in range(replicas):
                     skewed = scenario == "clock_skew" and n < len(CLOCK_OFFSETS)
                     fleet.start(CLOCK_OFFSETS[n] if skewed else None)
+                if events == "process":
+                    fleet.start_intake()
                 faults = Faults(
                     engine,
                     database_url,
@@ -1438,6 +1903,8 @@ def run(
                     what=f"every row settled ({dict(statuses(engine))})",
                 )
                 summary.runtime = time.monotonic() - started
+                if queue is not None:
+                    await_truth(engine, ses, queue, categories, summary, count)
                 fleet.stop_all(summary, engine)
             finally:
                 fleet.kill_all()
@@ -1447,7 +1914,7 @@ def run(
                 for proc in fleet.started:
                     if "sending paused (account" in proc.output():
                         summary.problems.append(f"{proc.relay_id} paused all sending")
-            reconcile(engine, ses, categories, summary, poisoned, record)
+            reconcile(engine, ses, categories, summary, poisoned, record, queue)
         if held_back is not None:
             if not held_back.in_transaction():
                 summary.problems.append("the xmin-holding transaction ended early")
@@ -1484,6 +1951,17 @@ def main(argv: list[str] | None = None) -> int:
         default="ses",
         help="ses: moto behind the fault server; fake: no latency, the relays' own throughput",
     )
+    parser.add_argument(
+        "--events",
+        choices=EVENT_MODES,
+        help="the SES event intake: in every relay (run), one events process beside them "
+        "(process) or off (default: run for the reconcile scenario, off for the others)",
+    )
+    parser.add_argument(
+        "--event-faults",
+        action="store_true",
+        help="events late, duplicated, out of order, and those of some answered sends lost",
+    )
     options = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ledger-") as workdir:
         summary = run(
@@ -1496,6 +1974,8 @@ def main(argv: list[str] | None = None) -> int:
             settle_timeout=max(180, options.messages / 10),
             restart_command=options.restart_command,
             sender=options.sender,
+            events=options.events,
+            event_faults=options.event_faults,
         )
     print(summary.line())
     for problem in summary.problems[:50]:

@@ -5,8 +5,9 @@ reconciliation of every row against what SES accepted.
 N is kept small for CI (the whole file runs in a few minutes for both backends): 600 per run,
 900 where faults take seconds of the run (database restarts, CLI cancels, the combined run),
 1,200 for the clock skew run (so it lasts a few leases), 10,000 for the xmin throughput pair
-(no-latency sender). ``pytest --ledger-messages 3000`` runs
-every ledger test at that N; the harness runs any N from the command line.
+(no-latency sender); the two delivery-truth runs (the SES event intake on) add a reconcile
+window of a few seconds and a trickle of mail after the chaos. ``pytest --ledger-messages
+3000`` runs every ledger test at that N; the harness runs any N from the command line.
 
 The database restart tests restart the server for real with the shell command in
 ``OUTBOX_TEST_POSTGRES_RESTART`` / ``OUTBOX_TEST_MYSQL_RESTART`` (``.ci/run`` sets both to
@@ -31,6 +32,7 @@ from tests.reliability.ledger import (
     OUTBOX,
     PAUSED_SET,
     PAUSED_SET_WINDOW,
+    RECONCILE_AFTER,
     Summary,
     run,
 )
@@ -89,11 +91,29 @@ def reconciled(summary: Summary, count: int) -> Summary:
     assert summary.duplicates == 0
     assert summary.lost == 0
     assert summary.unknown <= summary.unknown_bound
-    # every row is accounted for, each in exactly one way
+    # every row is accounted for, each in exactly one way (the trickle after the chaos too)
     assert (
         summary.sent + summary.unknown + summary.failed + summary.expired + summary.cancelled
-        == count
+        == count + summary.ticks
     )
+    return summary
+
+
+def truth(summary: Summary, count: int) -> Summary:
+    """What every run with the event intake on must show, on top of :func:`reconciled` (the
+    harness checks each ambiguous send per row; these are its totals)."""
+    reconciled(summary, count)
+    assert summary.reconcile_left == 0  # reconcile mail never waits for a human
+    assert summary.ambiguous_reached >= 1, "no ambiguous send reached SES: this run proves little"
+    assert summary.requeued >= 1, "no ambiguous send missed SES: reconcile requeued nothing"
+    # each ambiguous send SES took ends sent with its id (or, its events lost, left for a human)
+    assert summary.resolved_by_events + summary.events_lost_ambiguous == summary.ambiguous_reached
+    assert summary.requeued_delivered == summary.requeued  # each requeue delivered exactly once
+    # a human is left exactly the hold mail no event could speak for
+    assert summary.left_for_human == summary.unknown
+    assert summary.events_recorded == summary.events_published  # a duplicate is recorded once
+    assert summary.event_effects["malformed"] == summary.dead_letters == 0
+    assert summary.truth_seconds >= RECONCILE_AFTER  # the window had to run out
     return summary
 
 
@@ -123,6 +143,62 @@ def test_ses_fault_mix_and_a_pause_window_lose_nothing(server_backend, moto, tmp
     for kind in ("throttle", "server_error", "hang", "sending_paused"):
         assert summary.requests[kind], f"the plan drew no {kind}: {summary.requests}"
     assert summary.in_flight_at_faults == []
+    assert summary.failed == 0
+
+
+def test_with_the_event_intake_each_ambiguous_send_is_resolved_requeued_once_or_held(
+    server_backend, moto, tmp_path, size
+):
+    """The delivery truth: the SES fault mix with resets before forwarding and a SIGKILL, the
+    emulator publishing every accepted send's events through SNS into SQS, every relay reading
+    them (``run --events-queue-url``), a ``reconcile`` category with a window of a few seconds.
+    After the chaos and the window: reconcile mail has 0 rows in unknown_outcome; each
+    ambiguous send that reached SES is sent with the MessageId moto gave it (hold mail too);
+    each that did not was requeued once (reconcile mail) and delivered exactly once, or is
+    still unknown_outcome (hold mail, for a human); 0 duplicates, 0 lost; every sent row is
+    ``delivered``. The figures (ambiguous, resolved by events, requeued, left) are printed."""
+    count = size(600)
+    summary = truth(ledger_run(server_backend, moto, tmp_path, "reconcile", count), count)
+
+    assert summary.events == "run"
+    for kind in ("hang", "reset", "reset_before"):
+        assert summary.requests[kind], f"the plan drew no {kind}: {summary.requests}"
+    assert summary.restarts == 1
+    assert summary.events_dropped == summary.events_duplicated == 0
+    assert summary.events_lost_ambiguous == 0
+    assert summary.delivered_status == summary.sent  # every sent row's Delivery event counted
+    assert summary.failed == 0
+
+
+def test_late_duplicated_reordered_and_lost_events_resolve_nothing_wrongly(
+    server_backend, moto, tmp_path, size
+):
+    """The same run with the event stream broken and the intake as its own process
+    (``outbox-relay events``): every event published a second late, a tenth twice, a tenth of
+    the sends with their Send event last, and every event of a share of the sends SES answered
+    lost (hold and resend mail only: a lost event of an ambiguous reconcile send is the one
+    case reconcile cannot tell from a send SES never took, and would resend; see the harness).
+    Nothing is resolved wrongly: the same totals hold, a duplicate event changes nothing, a
+    send whose events were lost keeps what the relay knew (sent, no delivery status; hold mail
+    whose answer was lost too stays unknown_outcome)."""
+    count = size(600)
+    summary = truth(
+        ledger_run(
+            server_backend,
+            moto,
+            tmp_path,
+            "reconcile",
+            count,
+            events="process",
+            event_faults=True,
+        ),
+        count,
+    )
+
+    assert summary.events == "process"
+    assert summary.events_duplicated >= 1
+    assert summary.events_dropped >= 1
+    assert summary.delivered_status < summary.sent  # the lost events' rows have no status
     assert summary.failed == 0
 
 
