@@ -8,8 +8,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import click
 import sqlalchemy as sa
@@ -23,20 +24,22 @@ from relay.cli_options import (
     check_connection,
     database_url,
     first_line,
+    open_database,
     open_engine,
     option,
     safe_url,
 )
-from relay.config import RelayConfig
-from relay.http import start_http_server
-from relay.metrics import RelayMetrics
+from relay.config import EVENTS_WAIT_RANGE, IntakeConfig, RelayConfig
+from relay.http import Server, start_http_server
+from relay.intake import Intake
+from relay.metrics import IntakeMetrics, RelayMetrics
 from relay.senders import Sender, as_sender
 from relay.senders.console import ConsoleSender
 from relay.senders.smtp import DEFAULT_SECURITY, SECURITY_MODES, SmtpSender, SmtpSettings
 from relay.wakeup import Listener
 from relay.worker import Relay
 
-__all__ = ["build_sender", "main", "migrate", "run"]
+__all__ = ["build_sender", "events", "main", "migrate", "run"]
 
 
 class _Commands(click.Group):
@@ -122,6 +125,8 @@ class _Rate(click.ParamType[Any]):
 
 
 _RATE = _Rate()
+_WAIT_ENV = "OUTBOX_EVENTS_WAIT_SECONDS"  # --wait-seconds of events, --events-wait-seconds of run
+_INTAKE_JOIN_SECONDS = 15.0  # past its long poll, how long a stopping intake may take
 
 
 def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sender:
@@ -268,6 +273,20 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
     help="Serve /healthz, /readyz and /metrics on this port (default: off).",
 )
 @option("--http-host", default="0.0.0.0", help="Address the HTTP endpoint listens on.")
+@option(
+    "--events-queue-url",
+    default=None,
+    show_default=False,
+    help="Also take SES events from this SQS queue, in a thread of this process (see "
+    "`outbox-relay events`); default: no event intake.",
+)
+@option(
+    "--events-wait-seconds",
+    env=_WAIT_ENV,
+    type=click.IntRange(*EVENTS_WAIT_RANGE),
+    default=20,
+    help="Seconds each SQS receive waits for events (long poll), with --events-queue-url.",
+)
 def run(**options: Any) -> None:
     """Deliver committed outbox messages until stopped (SIGTERM/SIGINT drain it).
 
@@ -279,6 +298,14 @@ def run(**options: Any) -> None:
     http_port, http_host = options.pop("http_port"), options.pop("http_host")
     if options["relay_id"] is None:
         options.pop("relay_id")
+    queue_url, wait_seconds = options.pop("events_queue_url"), options.pop("events_wait_seconds")
+    intake_config = (
+        None
+        if queue_url is None
+        else IntakeConfig(
+            queue_url=queue_url, wait_seconds=wait_seconds, wait_option="--events-wait-seconds"
+        )
+    )
     sender_options = {
         name: options.pop(name) for name in list(options) if name.startswith(("ses_", "smtp_"))
     }
@@ -286,13 +313,12 @@ def run(**options: Any) -> None:
     sender = build_sender(config.sender, config, sender_options)
     engine = open_engine(config.database_url)
     relay = Relay(engine=engine, sender=sender, config=config)
+    intake = None if intake_config is None else _open_intake(intake_config, engine)
     listener = Listener.for_engine(engine, relay.wake)
     server = None
     if http_port is not None:
-        try:
-            server = start_http_server(relay, RelayMetrics(relay), http_port, http_host)
-        except OSError as exc:
-            raise StartupError(f"--http-port: cannot listen on {http_port}: {exc}") from None
+        server = _serve(relay, RelayMetrics(relay, intake=intake), http_port, http_host)
+    intake_thread = None if intake is None else _start_intake(intake)
     signals_seen = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -304,6 +330,8 @@ def run(**options: Any) -> None:
             )
             os._exit(1)
         relay.request_stop()
+        if intake is not None:
+            intake.request_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -312,6 +340,8 @@ def run(**options: Any) -> None:
     try:
         relay.run()  # no outbox tables: a ConfigurationError, one line (see _Commands)
     finally:
+        if intake is not None and intake_thread is not None:
+            _stop_intake(intake, intake_thread)
         if server is not None:
             server.stop()
         if listener is not None:
@@ -328,3 +358,148 @@ def run(**options: Any) -> None:
         logging.shutdown()
         sys.stdout.flush()
         os._exit(0)
+
+
+def _serve(relay: Relay, metrics: Any, port: int, host: str, **kw: Any) -> Server:
+    try:
+        return start_http_server(relay, metrics, port, host, **kw)
+    except OSError as exc:
+        raise StartupError(f"--http-port: cannot listen on {port}: {exc}") from None
+
+
+def _open_intake(
+    config: IntakeConfig, engine: sa.Engine, *, exit_when_idle: bool = False
+) -> Intake:
+    """The intake of ``config`` on ``engine``, its queue checked: a queue that does not exist
+    or cannot be read is a :class:`ConfigurationError` naming its URL; an SQS endpoint that
+    does not answer yet is a warning (the loop reads the queue again before its first
+    receive)."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        from relay.intake import build_client
+    except ImportError as exc:
+        raise ConfigurationError(
+            "--events-queue-url",
+            f"the event intake needs boto3 ({exc}): pip install 'sqlalchemy-outbox[ses]'",
+        ) from None
+    client = build_client(config.queue_url, wait_seconds=config.wait_seconds)
+    intake = Intake(
+        engine=engine,
+        client=client,
+        queue_url=config.queue_url,
+        wait_seconds=config.wait_seconds,
+        exit_when_idle=exit_when_idle,
+    )
+    try:
+        intake.check_queue()
+    except (BotoCoreError, ClientError) as exc:
+        logging.getLogger("relay.intake").warning(
+            "cannot read the events queue %s yet: %s",
+            config.queue_url,
+            exc,
+            extra={"action": "intake_sqs_error"},
+        )
+    return intake
+
+
+def _start_intake(intake: Intake) -> threading.Thread:
+    def run_intake() -> None:
+        try:
+            intake.run()
+        except Exception:  # a bug: the relay goes on sending, the log says the intake is gone
+            logging.getLogger("relay.intake").exception(
+                "the event intake stopped on an error", extra={"action": "intake_crashed"}
+            )
+
+    thread = threading.Thread(target=run_intake, name="outbox-intake", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stop_intake(intake: Intake, thread: threading.Thread) -> None:
+    """Stop the intake after its batch in hand (a long poll ends within its wait)."""
+    intake.request_stop()
+    thread.join(intake.wait_seconds + _INTAKE_JOIN_SECONDS)
+    if thread.is_alive():
+        logging.getLogger("relay.intake").warning(
+            "the event intake did not stop in time; its messages in hand will be received "
+            "again after their visibility timeout",
+            extra={"action": "intake_stop_timeout"},
+        )
+
+
+@main.command()
+@database_url
+@option(
+    "--events-queue-url",
+    required=True,
+    show_default=False,
+    help="The SQS queue SES events arrive in (configuration set -> SNS -> SQS, or "
+    "EventBridge -> SQS), with a dead-letter queue for what is not an SES event.",
+)
+@option(
+    "--wait-seconds",
+    env=_WAIT_ENV,
+    type=click.IntRange(*EVENTS_WAIT_RANGE),
+    default=20,
+    help="Seconds each receive waits for events (SQS long poll).",
+)
+@option("--exit-when-idle", is_flag=True, help="Exit 0 once a receive finds the queue empty.")
+@option(
+    "--log-level",
+    default="INFO",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+@option("--log-format", default="text", type=click.Choice(["text", "json"]), help="Log lines.")
+@option(
+    "--http-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve /healthz, /readyz and /metrics on this port (default: off).",
+)
+@option("--http-host", default="0.0.0.0", help="Address the HTTP endpoint listens on.")
+def events(**options: Any) -> None:
+    """Take SES events from an SQS queue and apply them to the outbox until stopped
+    (SIGTERM/SIGINT: after the batch in hand). Any number of replicas may share a queue.
+
+    A message is deleted from the queue only once its effect committed; one that is not an
+    SES event is recorded and left there, so the queue's redrive policy moves it to its
+    dead-letter queue.
+    """
+    logs.configure(options["log_level"], options["log_format"], False)
+    config = IntakeConfig(
+        queue_url=options["events_queue_url"], wait_seconds=options["wait_seconds"]
+    )
+    engine = open_database(options["database_url"])
+    try:
+        intake = _open_intake(config, engine, exit_when_idle=options["exit_when_idle"])
+        server = None
+        if options["http_port"] is not None:
+            # the HTTP app reads a relay's loop_at, waiting_at, state, paused and engine,
+            # which the intake has under the same names
+            server = _serve(
+                cast(Relay, intake),
+                IntakeMetrics(intake),
+                options["http_port"],
+                options["http_host"],
+                stall_seconds=max(60.0, 3.0 * config.wait_seconds),
+            )
+        seen = 0
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            nonlocal seen
+            seen += 1
+            if seen > 1:
+                os._exit(1)
+            intake.request_stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            intake.run()
+        finally:
+            if server is not None:
+                server.stop()
+    finally:
+        engine.dispose()

@@ -31,9 +31,10 @@ __all__ = [
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def option(name: str, **kw: Any) -> Callable[[_F], _F]:
-    """A click option also read from ``OUTBOX_<NAME>`` (shown in ``--help``)."""
-    env = "OUTBOX_" + name.lstrip("-").replace("-", "_").upper()
+def option(name: str, *, env: str | None = None, **kw: Any) -> Callable[[_F], _F]:
+    """A click option also read from ``OUTBOX_<NAME>`` (shown in ``--help``), or from ``env``
+    where two commands' flags of one setting have different names."""
+    env = env or "OUTBOX_" + name.lstrip("-").replace("-", "_").upper()
     kw.setdefault("show_default", True)
     return click.option(name, envvar=env, show_envvar=True, **kw)
 

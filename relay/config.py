@@ -8,6 +8,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal, TypeGuard
+from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 from sqlalchemy.exc import ArgumentError
@@ -15,14 +16,17 @@ from sqlalchemy.exc import ArgumentError
 from outbox.exceptions import ConfigurationError
 
 __all__ = [
+    "EVENTS_WAIT_RANGE",
     "MAX_SEND_RATE_RANGE",
     "URL_FORMS",
+    "IntakeConfig",
     "RelayConfig",
     "default_relay_id",
     "valid_send_rate",
 ]
 
 MAX_SEND_RATE_RANGE = (0.001, 1_000_000.0)  # recipients per second: one per 17 min to a million
+EVENTS_WAIT_RANGE = (0, 20)  # seconds of an SQS long poll: SQS allows no more
 
 
 def valid_send_rate(value: object) -> TypeGuard[float]:
@@ -116,3 +120,29 @@ def _positive(setting: str, value: object) -> None:
         or value <= 0
     ):
         raise ConfigurationError(setting, "must be a positive number")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IntakeConfig:
+    """Settings of the event intake (``--events-queue-url`` and its wait); see
+    ``outbox-relay events --help``."""
+
+    queue_url: str
+    wait_seconds: int = 20
+    wait_option: str = "--wait-seconds"  # the flag that set wait_seconds, for its error
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.queue_url) if isinstance(self.queue_url, str) else None
+        if (
+            parts is None
+            or parts.scheme not in ("https", "http")
+            or not parts.hostname
+            or parts.path.strip("/") == ""
+        ):
+            raise ConfigurationError(
+                "--events-queue-url",
+                f"{self.queue_url!r} is not an SQS queue URL: expected "
+                "https://sqs.<region>.amazonaws.com/<account>/<queue>",
+            )
+        low, high = EVENTS_WAIT_RANGE
+        _int(self.wait_option, self.wait_seconds, low, high)

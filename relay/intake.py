@@ -54,6 +54,7 @@ from outbox.schema import (
     AttemptOutcome,
     DeliveryStatus,
     EventType,
+    RelayState,
     Status,
     SuppressionReason,
     attempts,
@@ -713,6 +714,14 @@ class Intake:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    # what /healthz and /readyz read (the relay's names): the intake is never paused
+    paused = False
+    pause_code = None
+
+    @property
+    def state(self) -> RelayState:
+        return RelayState.DRAINING if self._stopping.is_set() else RelayState.RUNNING
 
     def check_queue(self) -> QueueInfo:
         """Read the queue's redrive policy and visibility timeout. A queue that does not

@@ -33,7 +33,38 @@ name                                type      labels               what
                                                                    until a read works again)
 ``outbox_relay_info``               gauge     relay_id, sender,    always 1
                                               version
+``outbox_reconciled_total``         counter   result               ambiguous sends settled without
+                                                                   an operator: sent (an event
+                                                                   proved it, counted by the
+                                                                   intake), requeued (the reconcile
+                                                                   sweep, counted by the relay)
 =================================== ========= ==================== =================================
+
+With the event intake (``run --events-queue-url``, or ``events`` alone: :class:`IntakeMetrics`):
+
+=================================== ========= ==================== =================================
+name                                type      labels               what
+=================================== ========= ==================== =================================
+``outbox_events_total``             counter   type, effect         events this intake took from its
+                                                                   queue: effect as stored
+                                                                   (resolved, status, recorded,
+                                                                   duplicate_send, unmatched,
+                                                                   malformed), or duplicate, refused
+``outbox_event_intake_errors_total`` counter  kind                 failed passes and deletes: sqs,
+                                                                   database
+``outbox_event_intake_lag_seconds`` gauge                          the database's now minus the
+                                                                   newest event's own time (SES's):
+                                                                   how far behind SES the intake is
+``outbox_bounce_rate``              gauge     category             bounced / sent over 24 h, from
+                                                                   ``outbox_delivery_summary``
+``outbox_complaint_rate``           gauge     category             complained / sent over 24 h
+``outbox_event_read_errors_total``  counter                        failed reads of the intake's
+                                                                   views (their series are left out
+                                                                   until a read works again)
+=================================== ========= ==================== =================================
+
+The intake's gauges are read on the scraping thread, at most once every ``summary_interval``
+seconds (the delivery summary scans a day of sent rows).
 
 The page leaves out the client library's ``*_created`` series: in the text format they are
 gauges of their own, one per counter and histogram child, that no dashboard reads.
@@ -46,19 +77,24 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import sqlalchemy as sa
 from blinker import NamedSignal
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from outbox.schema import events
 from relay import signals, store
+from relay.clock import read_database_time
+from relay.intake import Intake
 from relay.worker import Relay
 
-__all__ = ["CLAIM_BUCKETS", "SEND_BUCKETS", "RelayMetrics"]
+__all__ = ["CLAIM_BUCKETS", "SEND_BUCKETS", "IntakeMetrics", "RelayMetrics"]
 
 _log = logging.getLogger("relay.metrics")
 
@@ -96,9 +132,13 @@ class RelayMetrics:
     """The metrics of ``relay``, in :attr:`registry` (a ``CollectorRegistry`` of its own).
 
     Create it before ``relay.run()`` so nothing goes uncounted; :meth:`close` disconnects it.
+    With ``intake`` (the event intake running in the same process) its metrics are on the
+    same registry (:class:`IntakeMetrics`).
     """
 
-    def __init__(self, relay: Relay, *, lag_interval: float = 5.0) -> None:
+    def __init__(
+        self, relay: Relay, *, lag_interval: float = 5.0, intake: Intake | None = None
+    ) -> None:
         self.relay = relay
         self.lag_interval = lag_interval
         self.registry = CollectorRegistry()
@@ -143,6 +183,13 @@ class RelayMetrics:
             self._connect(signal, self._counter(outcome))
         self._connect(signals.claimed, self._on_claimed)
         self._connect(signals.claim_completed, self._on_claim_completed)
+        self.reconciled = _reconciled_counter(r)
+        self._connect(signals.reconciled, _count_reconciled(self.reconciled))
+        self.intake = (
+            None
+            if intake is None
+            else IntakeMetrics(intake, registry=r, reconciled=self.reconciled)
+        )
 
     # -- signals ---------------------------------------------------------------------------
 
@@ -172,6 +219,8 @@ class RelayMetrics:
         for signal, receiver in self._receivers:
             signal.disconnect(receiver, sender=self.relay)
         self._receivers.clear()
+        if self.intake is not None:
+            self.intake.close()
 
     # -- lag -------------------------------------------------------------------------------
 
@@ -272,4 +321,173 @@ class _StateCollector(Collector):
             "outbox_lag_refresh_errors",
             "Reads of the outbox_lag view that failed.",
             value=self._metrics.lag_errors,
+        )
+
+
+def _reconciled_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "outbox_reconciled",
+        "Ambiguous sends settled without an operator, by result (sent, requeued).",
+        ["result"],
+        registry=registry,
+    )
+
+
+def _count_reconciled(counter: Counter) -> _Receiver:
+    def receive(_sender: Any, **kw: Any) -> None:
+        counter.labels(result=str(kw.get("result") or "")).inc()
+
+    return receive
+
+
+@dataclass(frozen=True, slots=True)
+class _IntakeReading:
+    lag_seconds: float | None  # None: no event seen yet
+    rates: dict[str, tuple[float, float]]  # category: (bounce rate, complaint rate)
+
+
+_RATES = sa.text("SELECT category, bounce_rate, complaint_rate FROM outbox_delivery_summary")
+_LAG_WINDOW = timedelta(hours=1)  # the newest event is looked for among those received since
+
+
+def _read_intake(conn: sa.Connection) -> _IntakeReading:
+    """The intake's lag and the delivery rates, on ``conn``. The newest event is looked for
+    among those received in the last hour (the received_at index), else it is the last one
+    received: never a scan of the whole event table."""
+    now = read_database_time(conn)
+    e = events.c
+    newest = conn.execute(
+        sa.select(sa.func.max(e.event_at)).where(e.received_at >= now - _LAG_WINDOW)
+    ).scalar()
+    if newest is None:
+        newest = conn.execute(
+            sa.select(e.event_at)
+            .where(e.event_at.is_not(None))
+            .order_by(e.received_at.desc())
+            .limit(1)
+        ).scalar()
+    lag = None if newest is None else max(0.0, (now - newest).total_seconds())
+    rates = {
+        str(r.category): (float(r.bounce_rate or 0.0), float(r.complaint_rate or 0.0))
+        for r in conn.execute(_RATES)
+    }
+    return _IntakeReading(lag, rates)
+
+
+class IntakeMetrics:
+    """The metrics of an event intake, on ``registry`` (its own unless given: a relay's, so
+    one page serves both; ``reconciled`` is then the relay's counter, which this one also
+    counts the intake's ``reconciled`` signals on). :meth:`close` disconnects it."""
+
+    def __init__(
+        self,
+        intake: Intake,
+        *,
+        registry: CollectorRegistry | None = None,
+        reconciled: Counter | None = None,
+        summary_interval: float = 30.0,
+    ) -> None:
+        self.intake = intake
+        self.summary_interval = summary_interval
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.reconciled = (
+            reconciled if reconciled is not None else _reconciled_counter(self.registry)
+        )
+        self._receiver = _count_reconciled(self.reconciled)
+        signals.reconciled.connect(self._receiver, sender=intake)
+        self.read_errors = 0
+        self._lock = threading.Lock()
+        self._reading: _IntakeReading | None = None
+        self._read_at = -float("inf")
+        self.registry.register(_IntakeCollector(self))
+
+    def close(self) -> None:
+        signals.reconciled.disconnect(self._receiver, sender=self.intake)
+
+    def refresh(self) -> None:
+        """Read the lag and the rates now, on a short connection of the intake's engine."""
+        try:
+            with self.intake.engine.connect() as conn:
+                reading = _read_intake(conn)
+        except Exception as exc:
+            self.read_errors += 1
+            self._reading = None
+            _log.warning(
+                "cannot read the event intake's views: %s",
+                getattr(exc, "orig", None) or exc,
+                extra={"action": "metrics_intake_error"},
+            )
+            return
+        finally:
+            self._read_at = time.monotonic()
+        self._reading = reading
+
+    def reading(self) -> _IntakeReading | None:
+        """The last reading, taken again if older than ``summary_interval`` (a scrape that
+        finds another one reading uses the last one); None if the last read failed."""
+        if time.monotonic() - self._read_at >= self.summary_interval and self._lock.acquire(
+            blocking=False
+        ):
+            try:
+                if time.monotonic() - self._read_at >= self.summary_interval:
+                    self.refresh()
+            finally:
+                self._lock.release()
+        return self._reading
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format, without ``*_created`` series."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _IntakeCollector(Collector):
+    def __init__(self, metrics: IntakeMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        intake = self._metrics.intake
+        counted = CounterMetricFamily(
+            "outbox_events",
+            "Events taken from the queue, by type and effect.",
+            labels=["type", "effect"],
+        )
+        for (kind, effect), n in sorted(intake.counts.items()):
+            counted.add_metric([kind, effect], n)
+        yield counted
+        errors = CounterMetricFamily(
+            "outbox_event_intake_errors",
+            "Failed intake passes and deletes, by kind (sqs, database).",
+            labels=["kind"],
+        )
+        for kind in ("sqs", "database"):
+            errors.add_metric([kind], intake.errors[kind])
+        yield errors
+        reading = self._metrics.reading()
+        lag = GaugeMetricFamily(
+            "outbox_event_intake_lag_seconds",
+            "The database's now minus the newest event's own time (absent: no event yet).",
+        )
+        bounce = GaugeMetricFamily(
+            "outbox_bounce_rate",
+            "Bounced over sent in the last 24 h, from outbox_delivery_summary.",
+            labels=["category"],
+        )
+        complaint = GaugeMetricFamily(
+            "outbox_complaint_rate",
+            "Complained over sent in the last 24 h, from outbox_delivery_summary.",
+            labels=["category"],
+        )
+        if reading is not None:
+            if reading.lag_seconds is not None:
+                lag.add_metric([], reading.lag_seconds)
+            for category, (bounces, complaints) in sorted(reading.rates.items()):
+                bounce.add_metric([category], bounces)
+                complaint.add_metric([category], complaints)
+        yield lag
+        yield bounce
+        yield complaint
+        yield CounterMetricFamily(
+            "outbox_event_read_errors",
+            "Reads of the intake's views that failed.",
+            value=self._metrics.read_errors,
         )
