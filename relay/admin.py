@@ -33,9 +33,11 @@ from outbox.message import validate_address
 from outbox.schema import (
     TERMINAL,
     AttemptOutcome,
+    DeliveryStatus,
     OperatorAction,
     Status,
     SuppressionReason,
+    UTCDateTime,
     attempts,
     events,
     messages,
@@ -301,14 +303,56 @@ def _report(conn: sa.Connection) -> dict[str, Any]:
     report["unknown_outcomes"] = store.count_messages(
         conn, store.Filter(statuses=(Status.UNKNOWN_OUTCOME.value,))
     )
+    report["delivery_summary"] = sorted(_delivery_summary(conn), key=lambda r: r["category"])
+    report["event_intake"] = _event_intake(conn)
     return report
+
+
+_COUNT, _SECONDS, _TIME = sa.Integer(), sa.Float(), UTCDateTime()
+_DELIVERY_COUNTS = ("sent", *(s.value for s in DeliveryStatus), "no_event")
+
+
+def _delivery_summary(conn: sa.Connection) -> list[dict[str, Any]]:
+    """read_delivery_summary -- ``outbox_delivery_summary``, typed alike on every backend
+    (counts as ints, rates as floats)."""
+    types: dict[str, Any] = {f"{c}_count": _COUNT for c in _DELIVERY_COUNTS}
+    stmt = sa.text("SELECT * FROM outbox_delivery_summary").columns(
+        **types, bounce_rate=_SECONDS, complaint_rate=_SECONDS
+    )
+    return [dict(r._mapping) for r in conn.execute(stmt)]
+
+
+def _event_intake(conn: sa.Connection) -> dict[str, Any]:
+    """read_event_intake -- ``outbox_event_intake``'s one row, typed alike on every backend;
+    the counts 0, not NULL, when no event came in 24 hours."""
+    stmt = sa.text("SELECT * FROM outbox_event_intake").columns(
+        events_24h=_COUNT,
+        unmatched_24h=_COUNT,
+        malformed_24h=_COUNT,
+        newest_received_at=_TIME,
+        newest_age_seconds=_SECONDS,
+        newest_event_at=_TIME,
+    )
+    intake = dict(conn.execute(stmt).one()._mapping)
+    for name in ("events_24h", "unmatched_24h", "malformed_24h"):
+        intake[name] = intake[name] or 0
+    return intake
+
+
+# SES reviews an account at these rates (its documentation): status says when a category nears
+_BOUNCE_REVIEW, _COMPLAINT_REVIEW = 0.05, 0.001
+
+
+def _rate(value: float | None) -> str:
+    return "" if value is None else f"{value * 100:.2f}%"
 
 
 @click.command()
 @database_url
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(database_url: str, as_json: bool) -> None:
-    """What the outbox holds: counts per status and category, lag, failures, relays."""
+    """What the outbox holds: counts per status and category, lag, failures, relays, what the
+    provider's events say of the last 24 hours, and whether they are still coming in."""
     with _database(database_url) as engine, engine.connect() as conn:
         report = _report(conn)
     if as_json:
@@ -330,8 +374,10 @@ def status(database_url: str, as_json: bool) -> None:
     )
     click.echo(
         f"\nunknown_outcome: {report['unknown_outcomes']} (outbox-relay list --status "
-        "unknown_outcome; reconcile, then requeue or cancel)"
+        "unknown_outcome; check with SES, then outbox-relay resolve ID --delivered or "
+        "--not-delivered)"
     )
+    _echo_delivery(report["delivery_summary"], report["event_intake"])
     if report["failures"]:
         click.echo("\nFailures by error code")
         click.echo(
@@ -343,6 +389,39 @@ def status(database_url: str, as_json: bool) -> None:
         _table(relays, ["relay_id", "state", "host", "pid", "heartbeat_age_seconds"])
         if relays
         else "  none registered"
+    )
+
+
+def _echo_delivery(summary: list[dict[str, Any]], intake: dict[str, Any]) -> None:
+    click.echo("\nDelivery of the last 24 hours by category (from provider events)")
+    if summary:
+        shown = [
+            {
+                **row,
+                "bounce_rate": _rate(row["bounce_rate"]),
+                "complaint_rate": _rate(row["complaint_rate"]),
+            }
+            for row in summary
+        ]
+        columns = ["category", "sent_count", "delivered_count", "bounced_count"]
+        columns += ["complained_count", "no_event_count", "bounce_rate", "complaint_rate"]
+        click.echo(_table(shown, columns))
+        for row in summary:
+            if (row["bounce_rate"] or 0) >= _BOUNCE_REVIEW / 2:
+                click.echo(f"  {row['category']}: bounce rate near SES's 5% review level")
+            if (row["complaint_rate"] or 0) >= _COMPLAINT_REVIEW / 2:
+                click.echo(f"  {row['category']}: complaint rate near SES's 0.1% review level")
+    else:
+        click.echo("  nothing sent")
+    click.echo("\nEvent intake")
+    if intake["newest_received_at"] is None:
+        click.echo("  no event ever received (no intake running, or no event destination)")
+        return
+    click.echo(
+        f"  {intake['events_24h']} event(s) in 24 h, {intake['unmatched_24h']} unmatched, "
+        f"{intake['malformed_24h']} malformed; newest received "
+        f"{_text(intake['newest_received_at'])} "
+        f"({_table([intake], ['newest_age_seconds']).splitlines()[1]} s ago)"
     )
 
 
@@ -390,9 +469,12 @@ def list_(database_url: str, limit: int, after_id: int | None, as_json: bool, **
 @click.argument("message_id", type=int)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(database_url: str, message_id: int, as_json: bool) -> None:
-    """One message and every attempt made for it (bodies are not shown)."""
+    """One message, every attempt made for it, the provider events matched to it and what
+    operators did to it (bodies are not shown)."""
     with _database(database_url) as engine, engine.connect() as conn:
         row, history = store.get_message(conn, message_id)
+        seen = _events_of(conn, message_id) if row is not None else []
+        done = _actions_on(conn, message_id) if row is not None else []
     if row is None:
         raise click.ClickException(f"no message with id {message_id}")
     message = dict(row._mapping)
@@ -401,8 +483,19 @@ def show(database_url: str, message_id: int, as_json: bool) -> None:
     message["template"] = payload.get("template")
     attempts = [dict(a._mapping) for a in history]
     if as_json:
-        click.echo(_json({"message": message, "attempts": attempts}))
+        click.echo(
+            _json(
+                {
+                    "message": message,
+                    "attempts": attempts,
+                    "events": seen,
+                    "operator_actions": done,
+                }
+            )
+        )
         return
+    if message["status"] == Status.SENT.value and message["delivery_status"] is None:
+        message["delivery_status"] = "(no provider event yet)"
     width = max(len(k) for k in message)
     for name, value in message.items():
         if value not in (None, [], ""):
@@ -424,6 +517,52 @@ def show(database_url: str, message_id: int, as_json: bool) -> None:
                 ],
             )
         )
+    click.echo(f"\nevents ({len(seen)})")
+    if seen:
+        click.echo(
+            _table(
+                seen,
+                ["event_type", "event_at", "received_at", "detail", "recipients", "effect"],
+            )
+        )
+    click.echo(f"\noperator actions ({len(done)})")
+    if done:
+        click.echo(_table(done, ["at", "actor", "action", "reason", "detail"]))
+
+
+def _events_of(conn: sa.Connection, message_id: int) -> list[dict[str, Any]]:
+    """events_of -- The provider events matched to a message, in the order they came."""
+    stmt = (
+        sa.select(
+            events.c.event_type,
+            events.c.event_at,
+            events.c.received_at,
+            events.c.detail,
+            events.c.recipients,
+            events.c.effect,
+            events.c.provider_message_id,
+            events.c.source,
+        )
+        .where(events.c.message_id == message_id)
+        .order_by(events.c.id)
+    )
+    return [dict(r._mapping) for r in conn.execute(stmt)]
+
+
+def _actions_on(conn: sa.Connection, message_id: int) -> list[dict[str, Any]]:
+    """actions_on -- The operators' log rows of a message, oldest first."""
+    stmt = (
+        sa.select(
+            operator_actions.c.at,
+            operator_actions.c.actor,
+            operator_actions.c.action,
+            operator_actions.c.reason,
+            operator_actions.c.detail,
+        )
+        .where(operator_actions.c.message_id == message_id)
+        .order_by(operator_actions.c.id)
+    )
+    return [dict(r._mapping) for r in conn.execute(stmt)]
 
 
 # -- change ---------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from outbox.schema import attempts, messages, relays
+from outbox.schema import attempts, events, messages, operator_actions, relays
 from relay import store
 from relay.admin import parse_duration
 from relay.cli import main
+from tests.integration.test_admin_resolve import refusing_log
 from tests.support.factories import enqueue
 
 
@@ -265,3 +266,133 @@ def test_bad_filter_changes_nothing(backend, backlog):
     result = cli(backend, "requeue", "1", "--status", "failed")
     assert result.exit_code == 2
     assert "not both" in result.output
+
+
+def add_event(engine, *, message_id, event_type, received_at, detail=None, effect="status"):
+    with engine.begin() as conn:
+        conn.execute(
+            events.insert().values(
+                event_key=f"{message_id}-{event_type}-{received_at.timestamp()}",
+                received_at=received_at,
+                event_type=event_type,
+                event_at=received_at - timedelta(seconds=1),
+                mail_at=received_at - timedelta(seconds=2),
+                message_id=message_id,
+                detail=detail,
+                recipients="c6@example.com" if message_id else None,
+                effect=effect if message_id else "unmatched",
+                source="sns",
+            )
+        )
+
+
+def test_show_and_status_say_what_the_provider_events_and_the_operators_did(backend, backlog):
+    engine, now = backend.engine, datetime.now(UTC)
+    sent = backlog[6]
+    set_rows(engine, [sent], delivery_status="bounced", delivery_status_at=now)
+    add_event(engine, message_id=sent, event_type="delivery", received_at=now)
+    add_event(
+        engine, message_id=sent, event_type="bounce", received_at=now, detail="Permanent/General"
+    )
+    add_event(engine, message_id=None, event_type="delivery", received_at=now)
+    assert cli(backend, "resolve", str(backlog[3]), "--delivered", "--actor", "amy").exit_code == 0
+
+    shown = json.loads(cli(backend, "show", str(sent), "--json").output)
+    assert shown["message"]["delivery_status"] == "bounced"
+    assert shown["message"]["delivery_status_at"].endswith("Z")
+    assert [(e["event_type"], e["detail"], e["effect"]) for e in shown["events"]] == [
+        ("delivery", None, "status"),
+        ("bounce", "Permanent/General", "status"),
+    ]
+    assert shown["events"][0]["recipients"] == "c6@example.com"
+    assert shown["operator_actions"] == []
+    resolved = json.loads(cli(backend, "show", str(backlog[3]), "--json").output)
+    (action,) = resolved["operator_actions"]
+    assert (action["action"], action["actor"]) == ("resolve_delivered", "amy")
+    text = cli(backend, "show", str(backlog[3])).output
+    assert "operator actions (1)" in text
+    assert "resolve_delivered" in text
+    assert "(no provider event yet)" in text  # sent, and no event says more
+
+    report = json.loads(cli(backend, "status", "--json").output)
+    (summary,) = report["delivery_summary"]
+    assert summary["category"] == "default"
+    assert (summary["sent_count"], summary["bounced_count"], summary["no_event_count"]) == (
+        2,
+        1,
+        1,
+    )
+    assert summary["bounce_rate"] == 0.5
+    assert type(summary["sent_count"]) is int
+    intake = report["event_intake"]
+    assert (intake["events_24h"], intake["unmatched_24h"], intake["malformed_24h"]) == (3, 1, 0)
+    assert 0 <= intake["newest_age_seconds"] < 600
+    assert intake["newest_received_at"].endswith("Z")
+    text = cli(backend, "status").output
+    assert "50.00%" in text
+    assert "bounce rate near SES's 5% review level" in text
+    assert "3 event(s) in 24 h, 1 unmatched, 0 malformed" in text
+
+
+def test_status_says_when_no_event_ever_came(backend, backlog):
+    report = json.loads(cli(backend, "status", "--json").output)
+    assert report["event_intake"]["events_24h"] == 0
+    assert report["event_intake"]["newest_received_at"] is None
+    assert "no event ever received" in cli(backend, "status").output
+
+
+def test_prune_takes_events_with_their_messages_and_keeps_unknown_outcomes_unless_told(
+    backend, backlog
+):
+    engine = backend.engine
+    old = datetime.now(UTC) - timedelta(days=40)
+    set_rows(engine, [backlog[6], backlog[2]], created_at=old, updated_at=old)  # sent, unknown
+    assert cli(backend, "resolve", str(backlog[4]), "--delivered").exit_code == 0
+    set_rows(engine, [backlog[4]], created_at=old, updated_at=old)  # resolved (sent), old
+    add_event(engine, message_id=backlog[6], event_type="delivery", received_at=old)
+    add_event(engine, message_id=backlog[2], event_type="send", received_at=old)
+    add_event(engine, message_id=None, event_type="bounce", received_at=old)  # unmatched, old
+    add_event(engine, message_id=None, event_type="send", received_at=datetime.now(UTC))
+
+    dry = json.loads(cli(backend, "prune", "--older-than", "30d", "--dry-run", "--json").output)
+    assert (dry["would_delete"], dry["would_delete_events"]) == (2, 2)
+    done = cli(backend, "prune", "--older-than", "30d", "--batch-size", "1", "--actor", "cron")
+    assert done.exit_code == 0, done.output
+    assert "deleted 2 message(s)" in done.output
+    assert "and 2 event(s)" in done.output
+    with engine.connect() as conn:
+        left = set(conn.execute(sa.select(messages.c.id)).scalars())
+        kept_events = sorted(
+            (e.message_id or 0, e.event_type) for e in conn.execute(sa.select(events))
+        )
+    assert {backlog[6], backlog[4]}.isdisjoint(left)
+    assert backlog[2] in left  # unknown_outcome: kept
+    assert kept_events == sorted([(backlog[2], "send"), (0, "send")])
+
+    again = cli(backend, "prune", "--older-than", "30d", "--include-unknown-outcome", "--json")
+    report = json.loads(again.output)
+    assert (report["deleted"], report["deleted_events"]) == (1, 1)
+    with engine.connect() as conn:
+        assert backlog[2] not in set(conn.execute(sa.select(messages.c.id)).scalars())
+        log = list(conn.execute(sa.select(operator_actions).order_by(operator_actions.c.id)))
+    assert [r.action for r in log] == ["resolve_delivered", "prune", "prune"]  # never pruned
+    first, second = (json.loads(r.detail) for r in log[1:])
+    assert (first["deleted"], first["deleted_events"], first["include_unknown_outcome"]) == (
+        2,
+        2,
+        False,
+    )
+    assert (second["deleted"], second["include_unknown_outcome"]) == (1, True)
+    assert log[1].actor == "cron"
+    assert datetime.fromisoformat(first["cutoff"]) < datetime.now(UTC) - timedelta(days=29)
+
+
+def test_a_prune_whose_log_row_fails_deletes_nothing(backend, backlog):
+    engine = backend.engine
+    old = datetime.now(UTC) - timedelta(days=40)
+    set_rows(engine, [backlog[6]], created_at=old, updated_at=old)
+    with refusing_log(engine):
+        refused = cli(backend, "prune", "--older-than", "30d")
+    assert refused.exit_code == 1
+    with engine.connect() as conn:
+        assert backlog[6] in set(conn.execute(sa.select(messages.c.id)).scalars())
