@@ -25,7 +25,7 @@ from relay.events import parse
 from relay.intake import Effect, apply_events
 from relay.senders import Accepted, Ambiguous, Outcome, OutgoingMessage
 from relay.testing import FakeSender
-from tests.support.db import Backend, row
+from tests.support.db import Backend, attempt_rows, row
 from tests.support.factories import enqueue
 from tests.support.inprocess import closing, relay_for, settle
 from tests.support.sqs import ses_event, sns_body
@@ -99,6 +99,41 @@ def test_a_forged_future_mail_time_never_proves_the_intake_flowed(backend: Backe
         requeued = store.reconcile_unknown(conn, now=read_database_time(conn), relay_id="r1")
     assert [r.id for r in requeued] == []
     assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: after an intake outage longer than the window, SQS hands out the backlog "
+    "in no order; one genuine later event proves the intake flowed while the held send's own "
+    "Send event is still queued, and the reconcile sends it again",
+)
+def test_an_unordered_backlog_never_requeues_a_send_whose_event_is_still_queued(
+    backend: Backend,
+) -> None:
+    """The intake was down past the window. Its queue holds attempt 1's Send event (mail
+    taken at t0) and another message's Delivery (mail taken after the window); a standard
+    queue gives no order, so the Delivery is received first. A reconcile pass between the two
+    batches must not requeue: the next one would have resolved the row."""
+    mid = held(backend)
+    t0 = row(backend.engine, mid).send_started_at
+    token = attempt_rows(backend.engine, mid)[0].claim_token
+    end = t0 + timedelta(seconds=WINDOW)
+    later = ses_event("delivery", provider_id="ses-other", mail_at=end + timedelta(seconds=1))
+    assert apply_body(backend, sns_body(later), now=end + timedelta(seconds=5)) is (
+        Effect.UNMATCHED
+    )
+    with backend.engine.begin() as conn:
+        requeued = store.reconcile_unknown(conn, now=read_database_time(conn), relay_id="r1")
+    sender = FakeSender()
+    relay = relay_for(backend, sender, relay_id="r2")
+    with closing(relay):
+        settle(relay)
+    own = ses_event(
+        "send", provider_id="ses-attempt-1", message_id=mid, claim_token=token, mail_at=t0
+    )
+    late = apply_body(backend, sns_body(own), now=end + timedelta(seconds=6))
+    assert ([r.id for r in requeued], sender.sent_ids) == ([], [])
+    assert late is Effect.RESOLVED
 
 
 @pytest.mark.xfail(
