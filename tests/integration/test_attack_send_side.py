@@ -1,0 +1,291 @@
+"""Attacks on the send side of delivery truth (suppression at send, the reconcile policy,
+resolve): each test states what must hold and fails while the gap it names is open.
+
+The reconcile sweep's proof that the intake "flows" must be proof that the stream which would
+name *this* ambiguous send flows: events the intake could have matched to it. Events that
+cannot name any ambiguous row (identity notifications carry no tags; another deployment's
+events on a shared topic; forged ones) or that not every send produces (a Delivery of other
+mail, while the row's own is deferred) prove nothing about it. On SQLite, PostgreSQL and
+MariaDB; events go through the intake's parser and ``apply_events``, as the loop applies them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import AmbiguityPolicy, Category, Outbox
+from outbox.schema import events, messages
+from relay import store
+from relay.clock import read_database_time
+from relay.events import parse
+from relay.intake import Effect, apply_events
+from relay.senders import Accepted, Ambiguous, OutgoingMessage
+from relay.testing import FakeSender
+from tests.support.db import attempt_rows, row
+from tests.support.factories import enqueue
+from tests.support.hand_clocks import Clock
+from tests.support.inprocess import HeldSender, closing, relay_for, settle
+from tests.support.sqs import ses_event, sns_body
+
+WINDOW = 60.0
+OUTBOX = Outbox(
+    categories=[
+        Category(name="receipts", ambiguity=AmbiguityPolicy.RECONCILE, reconcile_after=WINDOW)
+    ]
+)
+
+
+def held(backend, count: int = 1) -> list[int]:
+    """``count`` reconcile-policy messages whose one send was ambiguous (unknown_outcome)."""
+    ids = enqueue(backend.engine, count, outbox=OUTBOX, category="receipts")
+    relay = relay_for(backend, FakeSender(lambda m: Ambiguous(code="ReadTimeout")))
+    with closing(relay):
+        settle(relay)
+        settle(relay)
+    for mid in ids:
+        assert row(backend.engine, mid).status == "unknown_outcome"
+    return ids
+
+
+def started(backend, mid: int) -> datetime:
+    return row(backend.engine, mid).send_started_at
+
+
+def apply(backend, body: str, *, now: datetime) -> Effect:
+    with backend.engine.begin() as conn:
+        (done,) = apply_events(conn, [parse(body)], now=now)
+    return done.effect
+
+
+def reconcile(backend) -> list[int]:
+    with backend.engine.begin() as conn:
+        now = read_database_time(conn)
+        return [r.id for r in store.reconcile_unknown(conn, now=now, relay_id="r1")]
+
+
+def past_window(backend, mid: int, seconds: float) -> datetime:
+    return started(backend, mid) + timedelta(seconds=WINDOW + seconds)
+
+
+def flowing(backend, mail_at: datetime) -> None:
+    """The intake flows as it should: another message is sent and its Send event, tagged
+    with that attempt's claim token, about mail SES took at ``mail_at``, is committed a
+    second later (both past the window under test)."""
+    (other,) = enqueue(backend.engine, 1)
+    relay = relay_for(backend, FakeSender(), relay_id="flowing")
+    with closing(relay):
+        settle(relay)
+    sent = row(backend.engine, other)
+    assert sent.status == "sent"
+    token = attempt_rows(backend.engine, other)[-1].claim_token
+    event = ses_event(
+        "send",
+        provider_id=sent.provider_message_id,
+        message_id=other,
+        claim_token=token,
+        mail_at=mail_at,
+    )
+    assert apply(backend, sns_body(event), now=mail_at + timedelta(seconds=1)) is Effect.RECORDED
+
+
+# -- the reconcile sweep's "flowing" proof -------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: an identity notification of the ambiguous send itself cannot match it "
+    "(no tags, no SES id on the row) and untagged notifications of other mail count as the "
+    "intake flowing: the send SES reported delivered is requeued",
+)
+def test_identity_notifications_never_prove_a_reconcile_row_unsent(backend):
+    (mid,) = held(backend)
+    t0 = started(backend, mid)
+    # SES took the ambiguous send and reported it delivered, as an identity notification
+    ours = ses_event(
+        "notification_delivery", provider_id="ses-ours", mail_at=t0 + timedelta(seconds=0.2)
+    )
+    assert apply(backend, sns_body(ours), now=t0 + timedelta(seconds=2)) is Effect.UNMATCHED
+    # ... and later mail's notifications keep arriving
+    later = past_window(backend, mid, 5)
+    other = ses_event("notification_delivery", provider_id="ses-other", mail_at=later)
+    apply(backend, sns_body(other), now=later + timedelta(seconds=1))
+    assert reconcile(backend) == []  # was: [mid], and the next claim mails it a second time
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: another deployment's Send events on a shared topic (unmatched: not our "
+    "claim tokens) count as our intake flowing, though our own stream may be dead",
+)
+def test_another_deployments_events_never_prove_a_reconcile_row_unsent(backend):
+    (mid,) = held(backend)
+    later = past_window(backend, mid, 5)
+    theirs = ses_event(
+        "send",
+        provider_id="ses-theirs",
+        message_id=mid,  # their row ids overlap ours; their claim tokens never do
+        claim_token=str(uuid.uuid4()),
+        mail_at=later,
+    )
+    assert apply(backend, sns_body(theirs), now=later + timedelta(seconds=1)) is Effect.UNMATCHED
+    assert reconcile(backend) == []  # was: [mid]
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: a Delivery of other mail counts as the intake flowing although deliveries "
+    "lag their sends by the receiver's deferrals (greylisting): only Send events, which every "
+    "accepted send produces at once, prove the row's own event would have come",
+)
+def test_a_delivery_of_other_mail_never_proves_a_reconcile_row_unsent(backend):
+    (mid,) = held(backend)
+    (other,) = enqueue(backend.engine, 1, outbox=OUTBOX, category="receipts")
+    relay = relay_for(backend, FakeSender(), relay_id="r2")
+    with closing(relay):
+        settle(relay)
+    sent = row(backend.engine, other)
+    assert sent.status == "sent"
+    token = attempt_rows(backend.engine, other)[-1].claim_token
+    later = past_window(backend, mid, 5)
+    delivered = ses_event(
+        "delivery",
+        provider_id=sent.provider_message_id,
+        message_id=other,
+        claim_token=token,
+        mail_at=later,
+    )
+    assert apply(backend, sns_body(delivered), now=later + timedelta(seconds=1)) is Effect.STATUS
+    assert reconcile(backend) == []  # was: [mid]
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: reconcile ignores a stale:accepted attempt (SES answered with its "
+    "MessageId after the sweep had taken the row): a send SES confirmed is sent again",
+)
+def test_a_send_ses_confirmed_after_the_sweep_is_never_requeued(backend):
+    (mid,) = enqueue(backend.engine, 1, outbox=OUTBOX, category="receipts")
+    clock = Clock()
+    release = threading.Event()
+
+    def slow(message: OutgoingMessage):
+        release.wait(10)
+        return Accepted(provider_message_id="ses-late-1")
+
+    first = relay_for(backend, FakeSender(slow), clock, relay_id="first")
+    with closing(first):
+        first.step()  # claimed, marked, the send in flight
+        assert first.in_flight == 1
+        clock.advance(60)  # its lease (5 s) ran out while the process was frozen
+        sweeper_clock = Clock(clock.now)
+        second = relay_for(backend, FakeSender(), sweeper_clock, relay_id="second")
+        with closing(second):
+            second.step()  # the sweep: send started, lease gone -> unknown_outcome
+        assert row(backend.engine, mid).status == "unknown_outcome"
+        release.set()
+        deadline = time.monotonic() + 5
+        while first.in_flight and time.monotonic() < deadline:
+            first._finalize()
+            time.sleep(0.01)
+    assert [(a.outcome, a.provider_message_id) for a in attempt_rows(backend.engine, mid)] == [
+        ("lease_expired", None),
+        ("stale:accepted", "ses-late-1"),
+    ]
+    flowing(backend, past_window(backend, mid, 5))
+    assert mid not in reconcile(backend)  # was requeued: SES had said it took the send
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: the window starts at send_started_at, written from the relay's own "
+    "estimate of the database's clock; a relay whose estimate runs behind (a stale anchor "
+    "after a suspend, a database clock stepped since the sample) shrinks the window by its "
+    "skew on both of the proof's clocks",
+)
+def test_a_relay_clock_behind_the_database_cannot_requeue_early(backend):
+    with backend.engine.connect() as conn:
+        db_now = read_database_time(conn)
+    behind = Clock(db_now - timedelta(seconds=WINDOW + 600))
+    (mid,) = enqueue(backend.engine, 1, outbox=OUTBOX, category="receipts")
+    with backend.engine.begin() as conn:  # due by the relay's clock too
+        conn.execute(
+            sa.update(messages).where(messages.c.id == mid).values(next_attempt_at=behind())
+        )
+    relay = relay_for(backend, FakeSender(lambda m: Ambiguous(code="ReadTimeout")), behind)
+    with closing(relay):
+        settle(relay)
+        settle(relay)
+    assert row(backend.engine, mid).status == "unknown_outcome"
+    # seconds later (real time), the intake commits a Send event of mail SES took just now
+    with backend.engine.connect() as conn:
+        db_now = read_database_time(conn)
+    flowing(backend, db_now)
+    assert reconcile(backend) == []  # was: [mid], well inside the row's real window
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: the first attempt's event arrives while the requeued send is in flight "
+    "(processing: recorded only) and nothing ever says the message went out twice",
+)
+def test_a_second_send_after_a_requeue_is_reported_as_a_duplicate(backend):
+    (mid,) = held(backend)
+    first = attempt_rows(backend.engine, mid)[-1]
+    flowing(backend, past_window(backend, mid, 5))
+    assert reconcile(backend) == [mid]
+    sender = HeldSender()
+    gate = sender.hold(mid)
+    relay = relay_for(backend, sender, relay_id="r3")
+    with closing(relay):
+        relay.step()  # claimed, marked: the second send is in flight
+        assert relay.in_flight == 1
+        late = ses_event(
+            "send",
+            provider_id="ses-first",
+            message_id=mid,
+            claim_token=first.claim_token,
+            mail_at=first.started_at,
+        )
+        apply(backend, sns_body(late), now=past_window(backend, mid, 30))
+        gate.set()
+        settle(relay)
+    after = row(backend.engine, mid)
+    assert after.status == "sent"
+    assert after.provider_message_id != "ses-first"  # SES took two sends of the message
+    with backend.engine.connect() as conn:
+        effects = list(
+            conn.execute(sa.select(events.c.effect).where(events.c.message_id == mid)).scalars()
+        )
+    assert "duplicate_send" in effects  # was: ["recorded"]: the double send is never reported
+
+
+# -- a row edited in the database ---------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: one row whose reconcile_after the database cannot add to a timestamp "
+    "(huge; NaN on PostgreSQL) fails the whole reconcile statement, so no reconcile row is "
+    "ever requeued again",
+)
+@pytest.mark.parametrize("window", [1e300, float("nan")], ids=["huge", "nan"])
+def test_one_unusable_window_does_not_stop_reconciling_the_others(postgres_backend, window):
+    backend = postgres_backend
+    (mid, poisoned) = held(backend, count=2)
+    with backend.engine.begin() as conn:
+        conn.execute(
+            sa.update(messages).where(messages.c.id == poisoned).values(reconcile_after=window)
+        )
+    flowing(backend, past_window(backend, mid, 5))
+    assert reconcile(backend) == [mid]
