@@ -270,6 +270,38 @@ def test_a_second_send_after_a_requeue_is_reported_as_a_duplicate(backend):
     assert "duplicate_send" in effects  # was: ["recorded"]: the double send is never reported
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: the Send event of an attempt arrives while its call is still waiting for "
+    "SES's answer (processing: recorded only); the call then times out, the row is held "
+    "unknown_outcome, and the event that proves the send never resolves it",
+)
+@pytest.mark.parametrize("category", ["default", "receipts"])
+def test_an_event_that_came_during_the_send_resolves_its_ambiguous_outcome(backend, category):
+    (mid,) = enqueue(backend.engine, 1, outbox=OUTBOX, category=category)
+    sender = HeldSender(answer=lambda m: Ambiguous(code="ReadTimeoutError"))
+    gate = sender.hold(mid)
+    relay = relay_for(backend, sender)
+    with closing(relay):
+        relay.step()  # claimed, marked: the call is waiting for SES's answer
+        assert relay.in_flight == 1
+        claimed = row(backend.engine, mid)
+        event = ses_event(
+            "send",
+            provider_id="ses-took-it",
+            message_id=mid,
+            claim_token=claimed.claim_token,
+            mail_at=claimed.send_started_at,
+        )
+        assert apply(backend, sns_body(event), now=claimed.send_started_at) is Effect.RECORDED
+        gate.set()  # ... and then the read times out
+        settle(relay)
+    reconcile(backend)  # a sweep, at the latest, could settle it from the recorded event
+    after = row(backend.engine, mid)
+    assert (after.status, after.provider_message_id) == ("sent", "ses-took-it")
+    # was: unknown_outcome with no provider id, the proof unused in outbox_events
+
+
 # -- a row edited in the database ---------------------------------------------------------
 
 
