@@ -23,6 +23,7 @@ from relay import store
 from relay.clock import read_database_time
 from relay.events import parse
 from relay.intake import Effect, apply_events
+from relay.metrics import _read_intake
 from relay.senders import Accepted, Ambiguous, Outcome, OutgoingMessage
 from relay.testing import FakeSender
 from tests.support.db import Backend, attempt_rows, row
@@ -246,3 +247,29 @@ def test_a_bounced_address_is_suppressed_whatever_a_lookalike_holds(backend: Bac
         "failed",
         "suppressed",
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: one forged event stamped in the future reads as an intake with no lag for "
+    "the next hour, whatever the real backlog",
+)
+def test_a_forged_future_event_time_never_hides_the_intakes_lag(backend: Backend) -> None:
+    """The intake is an hour behind SES (it received, just now, an event SES published an hour
+    ago). One untagged event stamped 2099 must not turn that into a lag of zero."""
+    with backend.engine.connect() as conn:
+        now = read_database_time(conn)
+    behind = ses_event("delivery", provider_id="ses-behind", mail_at=now - timedelta(hours=1))
+    forged = ses_event("delivery", provider_id=f"forged-{uuid.uuid4()}")
+    forged["mail"]["timestamp"] = "2099-01-01T00:00:00.000Z"
+    forged["delivery"]["timestamp"] = "2099-01-01T00:00:01.000Z"
+    assert apply_body(backend, sns_body(behind)) is Effect.UNMATCHED
+    with backend.engine.connect() as conn:
+        honest = _read_intake(conn).lag_seconds
+    assert honest is not None
+    assert honest > 3000
+    assert apply_body(backend, sns_body(forged)) is Effect.UNMATCHED
+    with backend.engine.connect() as conn:
+        lag = _read_intake(conn).lag_seconds
+    assert lag is not None
+    assert lag > 3000
