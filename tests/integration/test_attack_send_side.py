@@ -24,7 +24,7 @@ from outbox.schema import events, messages
 from relay import store
 from relay.clock import read_database_time
 from relay.events import parse
-from relay.intake import Effect, apply_events
+from relay.intake import MAX_MESSAGES, Effect, Intake, apply_events
 from relay.senders import Accepted, Ambiguous, OutgoingMessage
 from relay.testing import FakeSender
 from tests.support.db import attempt_rows, row
@@ -300,6 +300,84 @@ def test_an_event_that_came_during_the_send_resolves_its_ambiguous_outcome(backe
     after = row(backend.engine, mid)
     assert (after.status, after.provider_message_id) == ("sent", "ses-took-it")
     # was: unknown_outcome with no provider id, the proof unused in outbox_events
+
+
+class ScriptedQueue:
+    """An SQS client whose receives return the given batches of bodies in turn (SQS standard
+    queues deliver a backlog in no particular order), then nothing."""
+
+    def __init__(self, *batches: list[str]) -> None:
+        self.batches = list(batches)
+
+    def receive_message(self, **_kw: object) -> dict[str, object]:
+        if not self.batches:
+            return {}
+        bodies = self.batches.pop(0)
+        return {"Messages": [{"Body": b, "ReceiptHandle": f"h{n}"} for n, b in enumerate(bodies)]}
+
+    def delete_message_batch(self, **_kw: object) -> dict[str, object]:
+        return {}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: an intake catching up on a backlog commits newer mail's events before the "
+    "row's own (SQS does not keep order); the sweep takes that for a flowing intake and "
+    "requeues the row while its Send event is still in the queue: SES gets it twice",
+)
+def test_an_intake_catching_up_on_a_backlog_never_gets_a_row_sent_twice(backend):
+    window = 1.0
+    quick = Outbox(
+        categories=[
+            Category(name="quick", ambiguity=AmbiguityPolicy.RECONCILE, reconcile_after=window)
+        ]
+    )
+    (mid,) = enqueue(backend.engine, 1, outbox=quick, category="quick")
+    relay = relay_for(backend, FakeSender(lambda m: Ambiguous(code="ReadTimeout")))
+    with closing(relay):
+        settle(relay)
+        settle(relay)
+    held_row = row(backend.engine, mid)
+    assert held_row.status == "unknown_outcome"
+    token = attempt_rows(backend.engine, mid)[-1].claim_token
+    ours = ses_event(
+        "send",
+        provider_id="ses-first",
+        message_id=mid,
+        claim_token=token,
+        mail_at=held_row.send_started_at,
+    )
+    # the intake was down; mail sent after the window waits in the queue with the row's event
+    others = enqueue(backend.engine, MAX_MESSAGES)
+    relay = relay_for(backend, FakeSender(), relay_id="r2")
+    with closing(relay):
+        settle(relay)
+    later = held_row.send_started_at + timedelta(seconds=window + 5)
+    newer = [
+        sns_body(
+            ses_event(
+                "send",
+                provider_id=row(backend.engine, o).provider_message_id,
+                message_id=o,
+                claim_token=attempt_rows(backend.engine, o)[-1].claim_token,
+                mail_at=later,
+            )
+        )
+        for o in others
+    ]
+    time.sleep(window + 0.1)  # the intake comes back after the window
+    intake = Intake(
+        engine=backend.engine, client=ScriptedQueue(newer, [sns_body(ours)]), queue_url="q"
+    )
+    assert intake.step() == MAX_MESSAGES  # a full batch: more is waiting
+    reconcile(backend)  # a relay's sweep runs between two of the intake's batches
+    second = FakeSender()
+    relay = relay_for(backend, second, relay_id="r3")
+    with closing(relay):
+        settle(relay)
+    assert intake.step() == 1  # the row's own Send event, SES's proof it took the first send
+    assert [m.id for m in second.calls].count(mid) == 0  # was: sent again
+    assert row(backend.engine, mid).provider_message_id == "ses-first"
 
 
 # -- a row edited in the database ---------------------------------------------------------
