@@ -18,10 +18,10 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import AmbiguityPolicy, Category, Outbox
-from outbox.schema import messages, suppressions
+from outbox.schema import attempts, messages, suppressions
 from relay import store
 from relay.clock import read_database_time
-from relay.events import parse
+from relay.events import SesEvent, parse
 from relay.intake import Effect, apply_events
 from relay.metrics import _read_intake
 from relay.senders import Accepted, Ambiguous, Outcome, OutgoingMessage
@@ -273,3 +273,52 @@ def test_a_forged_future_event_time_never_hides_the_intakes_lag(backend: Backend
         lag = _read_intake(conn).lag_seconds
     assert lag is not None
     assert lag > 3000
+
+
+_REPEATABLE_READ = pytest.mark.xfail(
+    strict=True,
+    reason="attack: on a MariaDB engine at its default REPEATABLE READ, a replica whose "
+    "snapshot predates another's resolve re-reads the row from that snapshot: its Bounce is "
+    "recorded and delivery_status never rises",
+)
+
+
+@pytest.mark.parametrize(
+    "server_backend", ["postgresql", pytest.param("mysql", marks=_REPEATABLE_READ)], indirect=True
+)
+def test_a_replica_with_an_old_snapshot_still_applies_its_event(server_backend: Backend) -> None:
+    """``Intake`` and ``apply_events`` take any engine (only the CLI builds READ COMMITTED;
+    the relay warns about REPEATABLE READ, the intake does not). Replica B's batch began
+    before replica A resolved the row; B's Bounce for that row must still raise its status."""
+    engine = server_backend.engine
+    (mid,) = enqueue(engine, 1)
+    token = str(uuid.uuid4())
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(attempts).values(
+                message_id=mid,
+                claim_token=token,
+                finished_at=read_database_time(conn),
+                outcome="ambiguous",
+            )
+        )
+        conn.execute(
+            sa.update(messages).where(messages.c.id == mid).values(status="unknown_outcome")
+        )
+
+    def event(kind: str, provider_id: str, **tags: object) -> list[SesEvent]:
+        return [parse(sns_body(ses_event(kind, provider_id=provider_id, **tags)))]  # type: ignore[arg-type]
+
+    with engine.connect() as b_conn, b_conn.begin():
+        now = read_database_time(b_conn)
+        apply_events(b_conn, event("delivery", "ses-other"), now=now)  # B's snapshot
+        with engine.begin() as a_conn:
+            [sent] = apply_events(
+                a_conn, event("send", "ses-1", message_id=mid, claim_token=token), now=now
+            )
+        [bounce] = apply_events(
+            b_conn, event("bounce", "ses-1", message_id=mid, claim_token=token), now=now
+        )
+    assert sent.effect is Effect.RESOLVED
+    assert bounce.effect is Effect.STATUS
+    assert (row(engine, mid).status, row(engine, mid).delivery_status) == ("sent", "bounced")
