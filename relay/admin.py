@@ -62,6 +62,10 @@ __all__ = [
     "show",
     "status",
     "suppressions_",
+    "suppressions_add",
+    "suppressions_import",
+    "suppressions_list",
+    "suppressions_remove",
 ]
 
 _DURATION_PARTS = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
@@ -404,7 +408,8 @@ def _echo_delivery(summary: list[dict[str, Any]], intake: dict[str, Any]) -> Non
             for row in summary
         ]
         columns = ["category", "sent_count", "delivered_count", "bounced_count"]
-        columns += ["complained_count", "no_event_count", "bounce_rate", "complaint_rate"]
+        columns += ["complained_count", "suppressed_count", "no_event_count"]
+        columns += ["bounce_rate", "complaint_rate"]
         click.echo(_table(shown, columns))
         for row in summary:
             if (row["bounce_rate"] or 0) >= _BOUNCE_REVIEW / 2:
@@ -420,8 +425,7 @@ def _echo_delivery(summary: list[dict[str, Any]], intake: dict[str, Any]) -> Non
     click.echo(
         f"  {intake['events_24h']} event(s) in 24 h, {intake['unmatched_24h']} unmatched, "
         f"{intake['malformed_24h']} malformed; newest received "
-        f"{_text(intake['newest_received_at'])} "
-        f"({_table([intake], ['newest_age_seconds']).splitlines()[1]} s ago)"
+        f"{_text(intake['newest_received_at'])} ({intake['newest_age_seconds']:.1f} s ago)"
     )
 
 
@@ -495,7 +499,7 @@ def show(database_url: str, message_id: int, as_json: bool) -> None:
         )
         return
     if message["status"] == Status.SENT.value and message["delivery_status"] is None:
-        message["delivery_status"] = "(no provider event yet)"
+        message["delivery_status"] = "(no provider event recorded)"
     width = max(len(k) for k in message)
     for name, value in message.items():
         if value not in (None, [], ""):

@@ -1,7 +1,8 @@
 """``outbox-relay resolve`` and the operators' log, through the real CLI on SQLite, PostgreSQL
 and MariaDB: each way a row can be resolved and each refusal, the log rows written in the
-transaction of the change they record (a log that cannot be written rolls the change back),
-``--actor`` and its default, and a resolve racing a relay for the same row."""
+transaction of the change they record (a log that cannot be written rolls the change back:
+resolve, requeue, suppressions, prune), ``--actor`` and its default, and a resolve racing a
+relay for the same row."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from outbox.schema import attempts, messages, operator_actions
+from outbox.schema import attempts, messages, operator_actions, suppressions
 from relay import admin, store
 from relay.cli import main
 from relay.clock import read_database_time
@@ -44,6 +45,11 @@ def set_row(engine: sa.Engine, message_id: int, **values: Any) -> None:
 def log_rows(engine: sa.Engine) -> list[Any]:
     with engine.connect() as conn:
         return list(conn.execute(sa.select(operator_actions).order_by(operator_actions.c.id)))
+
+
+def suppressed(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return sorted(conn.execute(sa.select(suppressions.c.address)).scalars())
 
 
 def one_message(engine: sa.Engine, status: str, **values: Any) -> int:
@@ -320,6 +326,32 @@ def test_a_bulk_change_whose_log_fails_in_its_second_batch_keeps_the_first_batch
     assert [found[i] for i in ids] == ["pending"] * 3 + ["failed"] * 4
     assert [r.message_id for r in log_rows(engine)] == ids[:3]
     assert sorted(a.message_id for a in attempt_rows(engine)) == ids[:3]
+
+
+def test_a_log_row_that_cannot_be_written_rolls_the_suppression_change_back(backend):
+    engine = backend.engine
+    with refusing_log(engine):
+        refused = cli(backend, "suppressions", "add", "h@example.com", "--reason", "r")
+    assert refused.exit_code == 1
+    assert "the log refused the row" in refused.output
+    assert suppressed(engine) == []
+    assert cli(backend, "suppressions", "add", "h@example.com", "--reason", "r").exit_code == 0
+    with refusing_log(engine):
+        assert cli(backend, "suppressions", "remove", "h@example.com").exit_code == 1
+    assert suppressed(engine) == ["h@example.com"]
+    assert [r.action for r in log_rows(engine)] == ["suppress"]
+
+
+def test_a_prune_whose_log_row_fails_deletes_nothing(backend):
+    engine = backend.engine
+    old = datetime.now(UTC) - timedelta(days=40)
+    mid = one_message(engine, "sent", created_at=old, updated_at=old)
+    with refusing_log(engine):
+        refused = cli(backend, "prune", "--older-than", "30d")
+    assert refused.exit_code == 1
+    assert "the log refused the row" in refused.output
+    with engine.connect() as conn:
+        assert mid in set(conn.execute(sa.select(messages.c.id)).scalars())
 
 
 def test_a_resolve_after_a_sweep_wins_over_the_relays_late_finalize(backend):

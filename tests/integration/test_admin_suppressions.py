@@ -23,7 +23,6 @@ from click.testing import CliRunner
 
 from outbox.schema import operator_actions, suppressions
 from relay.cli import main
-from tests.integration.test_admin_resolve import refusing_log
 from tests.support.ses import aws_env
 
 
@@ -124,20 +123,6 @@ def test_remove_logs_what_was_removed_and_refuses_an_address_not_suppressed(back
     detail = json.loads(last.detail)
     assert (detail["suppression_reason"], detail["suppression_detail"]) == ("manual", "r")
     assert detail["suppressed_by"] == "ops"
-
-
-def test_a_log_row_that_cannot_be_written_rolls_the_suppression_change_back(backend):
-    engine = backend.engine
-    with refusing_log(engine):
-        refused = cli(backend, "add", "h@example.com", "--reason", "r")
-    assert refused.exit_code == 1
-    assert "the log refused the row" in refused.output
-    assert suppressed(engine) == {}
-    assert cli(backend, "add", "h@example.com", "--reason", "r").exit_code == 0
-    with refusing_log(engine):
-        assert cli(backend, "remove", "h@example.com").exit_code == 1
-    assert sorted(suppressed(engine)) == ["h@example.com"]
-    assert [r.action for r in log_rows(engine)] == ["suppress"]
 
 
 def test_list_filters_by_reason_and_pages(backend):
