@@ -49,7 +49,7 @@ __all__ = [
 MAX_RECIPIENTS = 50
 MAX_MESSAGE_BYTES = 40_000_000
 MAX_HEADERS = 15
-RESERVED_TAGS = frozenset({"outbox_message_id", "outbox_category"})
+RESERVED_TAGS = frozenset({"outbox_message_id", "outbox_category", "outbox_attempt"})
 
 _PAYLOAD_VERSION = 1
 _PAYLOAD_KEYS = frozenset(

@@ -34,6 +34,7 @@ __all__ = [
     "UTCDateTime",
     "attempts",
     "events",
+    "intakes",
     "messages",
     "metadata",
     "operator_actions",
@@ -297,6 +298,14 @@ sa.Index(
     postgresql_where=sa.text("provider_message_id IS NOT NULL"),
     sqlite_where=sa.text("provider_message_id IS NOT NULL"),
 )
+# The reconcile sweep reads the held sends of the reconcile policy, oldest first.
+sa.Index(
+    "ix_outbox_messages_reconcile",
+    messages.c.status,
+    messages.c.send_started_at,
+    postgresql_where=sa.text("status = 'unknown_outcome' AND reconcile_after IS NOT NULL"),
+    sqlite_where=sa.text("status = 'unknown_outcome' AND reconcile_after IS NOT NULL"),
+)
 # The sweep finds processing rows whose lease has run out.
 sa.Index(
     "ix_outbox_messages_lease",
@@ -384,17 +393,37 @@ events = sa.Table(
 )
 sa.Index("ix_outbox_events_received_at", events.c.received_at)
 
-# Addresses the relay never mails (lower-cased).
+# Addresses the relay never mails (lower-cased). Compared byte for byte: MariaDB's default
+# collation would make "jose@" and "josé@" one key.
+_Address = sa.String(320).with_variant(
+    mysql.VARCHAR(320, collation="utf8mb4_bin"), "mysql", "mariadb"
+)
+
 suppressions = sa.Table(
     "outbox_suppressions",
     metadata,
-    sa.Column("address", sa.String(320), primary_key=True),
+    sa.Column("address", _Address, primary_key=True),
     sa.Column("reason", sa.String(20), nullable=False),
     sa.Column("detail", sa.String(255), nullable=True),
     sa.Column("event_id", _BigId, nullable=True),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("actor", sa.String(255), nullable=False),
     sa.CheckConstraint(_in("reason", tuple(SuppressionReason)), name="reason"),
+)
+
+# Each event intake replica's view of its queue: the moments it found the queue empty
+# (``caught_up_at``, the database's clock) are what prove that no older event is still
+# waiting there, and the queue's visibility timeout bounds how long a message another replica
+# took and dropped stays hidden. The reconcile sweep reads them.
+intakes = sa.Table(
+    "outbox_intakes",
+    metadata,
+    sa.Column("intake_id", sa.String(255), primary_key=True),
+    sa.Column("queue_url", sa.Text(), nullable=False),
+    sa.Column("visibility_timeout", sa.Double(), nullable=False),  # seconds
+    sa.Column("started_at", UTCDateTime(), nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
+    sa.Column("caught_up_at", UTCDateTime(), nullable=True),
 )
 
 # Who did what, when and why: every operator command that changes rows or suppressions.

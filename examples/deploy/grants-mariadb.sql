@@ -38,6 +38,8 @@ ALTER USER '${APP_USER}'@'${CLIENT_HOST}' IDENTIFIED BY '${APP_PASSWORD}';
 --     them, operators' `suppressions add/remove/import` change them (SELECT, INSERT, UPDATE,
 --     DELETE).
 --   outbox_operator_actions: every operator command records who did what (INSERT, SELECT).
+--   outbox_intakes: each intake replica's heartbeat and the last time it found its queue
+--     empty (INSERT, UPDATE, SELECT; the reconcile sweep reads it).
 --   the views: SELECT, for `outbox-relay status` and /metrics (which reads outbox_lag).
 GRANT SELECT, UPDATE ON `${DB_NAME}`.`outbox_messages` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_attempts` TO '${RELAY_USER}'@'${CLIENT_HOST}';
@@ -57,6 +59,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON `${DB_NAME}`.`outbox_suppressions`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_operator_actions`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT, UPDATE ON `${DB_NAME}`.`outbox_intakes` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_delivery_summary` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_event_intake` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_operator_log` TO '${RELAY_USER}'@'${CLIENT_HOST}';

@@ -60,6 +60,8 @@ GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"app_role";
 --     them, operators' `suppressions add/remove/import` change them (SELECT, INSERT, UPDATE,
 --     DELETE).
 --   outbox_operator_actions: every operator command records who did what (INSERT, SELECT).
+--   outbox_intakes: each intake replica's heartbeat and the last time it found its queue
+--     empty (INSERT, UPDATE, SELECT; the reconcile sweep reads it).
 --   the views: SELECT, for `outbox-relay status` and /metrics (which reads outbox_lag).
 GRANT SELECT, UPDATE ON :"schema".outbox_messages TO :"relay_role";
 GRANT SELECT, INSERT ON :"schema".outbox_attempts TO :"relay_role";
@@ -69,6 +71,7 @@ GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_send_budget_lock TO :"relay_rol
 GRANT SELECT, INSERT ON :"schema".outbox_events TO :"relay_role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_suppressions TO :"relay_role";
 GRANT SELECT, INSERT ON :"schema".outbox_operator_actions TO :"relay_role";
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_intakes TO :"relay_role";
 GRANT SELECT ON :"schema".outbox_status_summary, :"schema".outbox_lag,
     :"schema".outbox_unknown_outcomes, :"schema".outbox_failures,
     :"schema".outbox_relay_health, :"schema".outbox_delivery_summary,

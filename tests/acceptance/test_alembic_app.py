@@ -30,7 +30,7 @@ ALEMBIC = str(Path(sys.executable).with_name("alembic"))
 FIRST_RELEASE = "0001_outbox_initial.py"
 TABLES_0001 = {"outbox_messages", "outbox_attempts", "outbox_relays"}
 TABLES_0002 = {"outbox_send_budget", "outbox_send_budget_lock"}
-TABLES_0003 = {"outbox_events", "outbox_suppressions", "outbox_operator_actions"}
+TABLES_0003 = {"outbox_events", "outbox_suppressions", "outbox_operator_actions", "outbox_intakes"}
 VIEWS_0001 = {
     "outbox_status_summary",
     "outbox_lag",

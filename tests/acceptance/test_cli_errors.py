@@ -181,7 +181,7 @@ def test_a_database_with_part_of_the_schema_names_what_is_missing(empty_url):
     finally:
         engine.dispose()
     line = refusal(cli("status", empty_url))
-    missing = "outbox_attempts, outbox_events, outbox_operator_actions, outbox_relays"
+    missing = "outbox_attempts, outbox_events, outbox_intakes, outbox_operator_actions"
     assert f"lacks the outbox tables {missing}," in line
     assert "outbox_messages," not in line
     assert "outbox-relay migrate" in line

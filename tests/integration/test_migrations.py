@@ -30,6 +30,7 @@ TABLES = {
     "outbox_events",
     "outbox_suppressions",
     "outbox_operator_actions",
+    "outbox_intakes",
 }
 
 

@@ -272,10 +272,11 @@ def test_template_email_needs_no_subject_or_body() -> None:
 
 
 def test_reserved_tags_are_the_relays() -> None:
-    assert {"outbox_message_id", "outbox_category"} == RESERVED_TAGS
-    with pytest.raises(InvalidEmail) as info:
-        make(tags={"outbox_category": "x"})
-    assert info.value.field == "tags['outbox_category']"
+    assert {"outbox_message_id", "outbox_category", "outbox_attempt"} == RESERVED_TAGS
+    for tag in sorted(RESERVED_TAGS):
+        with pytest.raises(InvalidEmail) as info:
+            make(tags={tag: "x"})
+        assert info.value.field == f"tags[{tag!r}]"
 
 
 def test_payload_round_trip_full_email() -> None:

@@ -57,6 +57,14 @@ def upgrade() -> None:
         postgresql_where=sa.text("provider_message_id IS NOT NULL"),
         sqlite_where=sa.text("provider_message_id IS NOT NULL"),
     )
+    held = "status = 'unknown_outcome' AND reconcile_after IS NOT NULL"
+    op.create_index(
+        op.f("ix_outbox_messages_reconcile"),
+        "outbox_messages",
+        ["status", "send_started_at"],
+        postgresql_where=sa.text(held),
+        sqlite_where=sa.text(held),
+    )
     op.add_column("outbox_attempts", sa.Column("dropped_recipients", sa.Text()))
     op.create_table(
         "outbox_events",
@@ -82,7 +90,13 @@ def upgrade() -> None:
     op.create_index(op.f("ix_outbox_events_received_at"), "outbox_events", ["received_at"])
     op.create_table(
         "outbox_suppressions",
-        sa.Column("address", sa.String(320), nullable=False),
+        sa.Column(
+            "address",
+            sa.String(320).with_variant(
+                mysql.VARCHAR(320, collation="utf8mb4_bin"), "mysql", "mariadb"
+            ),
+            nullable=False,
+        ),
         sa.Column("reason", sa.String(20), nullable=False),
         sa.Column("detail", sa.String(255), nullable=True),
         sa.Column("event_id", _id(), nullable=True),
@@ -92,6 +106,16 @@ def upgrade() -> None:
         sa.CheckConstraint(
             _one_of("reason", SUPPRESSION_REASONS), name=op.f("ck_outbox_suppressions_reason")
         ),
+    )
+    op.create_table(
+        "outbox_intakes",
+        sa.Column("intake_id", sa.String(255), nullable=False),
+        sa.Column("queue_url", sa.Text(), nullable=False),
+        sa.Column("visibility_timeout", sa.Double(), nullable=False),
+        sa.Column("started_at", _ts(), nullable=False),
+        sa.Column("heartbeat_at", _ts(), nullable=False),
+        sa.Column("caught_up_at", _ts(), nullable=True),
+        sa.PrimaryKeyConstraint("intake_id", name=op.f("pk_outbox_intakes")),
     )
     op.create_table(
         "outbox_operator_actions",
@@ -117,9 +141,11 @@ def downgrade() -> None:
     for name in reversed(list(_views(dialect))):
         op.execute(f"DROP VIEW IF EXISTS {name}")
     op.drop_table("outbox_operator_actions")
+    op.drop_table("outbox_intakes")
     op.drop_table("outbox_suppressions")
     op.drop_table("outbox_events")
     op.drop_column("outbox_attempts", "dropped_recipients")
+    op.drop_index(op.f("ix_outbox_messages_reconcile"), "outbox_messages")
     op.drop_index(op.f("ix_outbox_messages_provider_message_id"), "outbox_messages")
     op.drop_column("outbox_messages", "reconcile_after")
     op.drop_column("outbox_messages", "delivery_status_at")
