@@ -26,6 +26,7 @@ from relay.clock import read_database_time
 from relay.events import parse
 from relay.intake import MAX_MESSAGES, Effect, Intake, apply_events
 from relay.senders import Accepted, Ambiguous, OutgoingMessage
+from relay.senders.ses import build_request
 from relay.testing import FakeSender
 from tests.support.db import attempt_rows, row
 from tests.support.factories import enqueue
@@ -378,6 +379,32 @@ def test_an_intake_catching_up_on_a_backlog_never_gets_a_row_sent_twice(backend)
     assert intake.step() == 1  # the row's own Send event, SES's proof it took the first send
     assert [m.id for m in second.calls].count(mid) == 0  # was: sent again
     assert row(backend.engine, mid).provider_message_id == "ses-first"
+
+
+# -- tags --------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: outbox_attempt became a reserved tag, and Email.from_payload runs every "
+    "check again: mail an older release stored with its own outbox_attempt tag now fails "
+    "as invalid_payload and is never sent, though build_request lets the relay's tag win",
+)
+def test_mail_stored_with_its_own_outbox_attempt_tag_is_still_sent(backend):
+    (mid,) = enqueue(backend.engine, 1, tags={"campaign": "spring"})
+    with backend.engine.begin() as conn:
+        payload = dict(row(backend.engine, mid, payload=True).payload)
+        payload["tags"] = {**payload["tags"], "outbox_attempt": "theirs"}  # before it was ours
+        conn.execute(sa.update(messages).where(messages.c.id == mid).values(payload=payload))
+    sender = FakeSender()
+    relay = relay_for(backend, sender)
+    with closing(relay):
+        settle(relay)
+    after = row(backend.engine, mid)
+    assert (after.status, after.last_error_code) == ("sent", None)  # was: failed invalid_payload
+    request = build_request(sender.calls[0])
+    tags = {t["Name"]: t["Value"] for t in request["EmailTags"]}
+    assert tags["outbox_attempt"] == sender.calls[0].claim_token
 
 
 # -- a row edited in the database ---------------------------------------------------------
