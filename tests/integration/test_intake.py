@@ -28,54 +28,10 @@ from relay.db import make_engine
 from relay.events import SesEvent, parse
 from relay.intake import Effect, apply_events
 from tests.support.db import Backend, attempt_rows, row
-from tests.support.factories import enqueue
-from tests.support.sqs import raw_body, ses_event, sns_body
+from tests.support.sqs import MAIL_AT, raw_body, ses_event, sns_body, stage
 from tests.support.waiting import wait_for
 
 NOW = datetime(2026, 12, 1, 12, 5, tzinfo=UTC)  # the database's clock, as the loop passes it
-MAIL_AT = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)  # when SES took the send (SES's clock)
-
-
-def stage(
-    engine: sa.Engine,
-    status: Status,
-    *,
-    tokens: tuple[str, ...] = (),
-    current: str | None = None,
-    provider_id: str | None = None,
-    attempt_ids: tuple[str | None, ...] = (),
-    to: str = "customer0@example.com",
-) -> int:
-    """One message left in ``status``: an ambiguous attempt row per claim token in
-    ``tokens`` (with the SES message id of the same place in ``attempt_ids``), ``current``
-    its claim token now, ``provider_id`` on the row."""
-    (message_id,) = enqueue(engine, 1, to=[to])
-    with engine.begin() as conn:
-        for n, token in enumerate(tokens):
-            conn.execute(
-                sa.insert(attempts).values(
-                    message_id=message_id,
-                    claim_token=token,
-                    relay_id="relay-a",
-                    started_at=MAIL_AT - timedelta(seconds=1),
-                    finished_at=MAIL_AT,
-                    outcome="ambiguous",
-                    provider_message_id=attempt_ids[n] if n < len(attempt_ids) else None,
-                )
-            )
-        conn.execute(
-            sa.update(messages)
-            .where(messages.c.id == message_id)
-            .values(
-                status=status.value,
-                claim_token=current,
-                provider_message_id=provider_id,
-                attempt_count=len(tokens),
-                last_error_code="ReadTimeoutError" if status is Status.UNKNOWN_OUTCOME else None,
-                sent_at=MAIL_AT if status is Status.SENT else None,
-            )
-        )
-    return message_id
 
 
 def apply(engine: sa.Engine, *bodies: str, now: datetime = NOW) -> list[intake.Applied]:

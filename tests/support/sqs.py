@@ -1,4 +1,5 @@
-"""SES events as they reach the intake's queue, and the queue itself on moto's server.
+"""SES events as they reach the intake's queue, the queue itself on moto's server, and rows
+staged as the relay leaves them for the events to find.
 
 ``ses_event(kind, ...)`` is one of AWS's documented event examples
 (``tests/fixtures/ses_events``) with the ids, tags, recipients and times of a test's message
@@ -18,19 +19,26 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+
+from outbox.schema import Status, attempts, messages
+from tests.support.factories import enqueue
 from tests.support.ses import REGION, MotoSes
 
 __all__ = [
     "KINDS",
+    "MAIL_AT",
     "MAX_RECEIVES",
     "EventQueue",
     "raw_body",
     "ses_event",
     "sns_body",
+    "stage",
     "stamp",
 ]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ses_events"
+MAIL_AT = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)  # when SES took a test's send (SES's clock)
 MAX_RECEIVES = 3  # the queue's maxReceiveCount
 VISIBILITY_SECONDS = 1
 
@@ -78,7 +86,7 @@ def ses_event(
     ``at`` (default a second later)."""
     name, inner, field = KINDS[kind]
     event = copy.deepcopy(_fixture(name))
-    mail_at = mail_at or datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    mail_at = mail_at or MAIL_AT
     at = at or mail_at + timedelta(seconds=1)
     mail = event["mail"]
     mail["messageId"] = provider_id
@@ -164,3 +172,45 @@ class EventQueue:
     def env(self) -> dict[str, str]:
         """What a relay process needs to reach this queue (with :func:`aws_env`'s rest)."""
         return {"AWS_ENDPOINT_URL_SQS": self.endpoint, "AWS_REGION": REGION}
+
+
+def stage(
+    engine: sa.Engine,
+    status: Status,
+    *,
+    tokens: tuple[str, ...] = (),
+    current: str | None = None,
+    provider_id: str | None = None,
+    attempt_ids: tuple[str | None, ...] = (),
+    to: str = "customer0@example.com",
+) -> int:
+    """One message left in ``status``: an ambiguous attempt row per claim token in
+    ``tokens`` (with the SES message id of the same place in ``attempt_ids``), ``current``
+    its claim token now, ``provider_id`` on the row."""
+    (message_id,) = enqueue(engine, 1, to=[to])
+    with engine.begin() as conn:
+        for n, token in enumerate(tokens):
+            conn.execute(
+                sa.insert(attempts).values(
+                    message_id=message_id,
+                    claim_token=token,
+                    relay_id="relay-a",
+                    started_at=MAIL_AT - timedelta(seconds=1),
+                    finished_at=MAIL_AT,
+                    outcome="ambiguous",
+                    provider_message_id=attempt_ids[n] if n < len(attempt_ids) else None,
+                )
+            )
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == message_id)
+            .values(
+                status=status.value,
+                claim_token=current,
+                provider_message_id=provider_id,
+                attempt_count=len(tokens),
+                last_error_code="ReadTimeoutError" if status is Status.UNKNOWN_OUTCOME else None,
+                sent_at=MAIL_AT if status is Status.SENT else None,
+            )
+        )
+    return message_id
