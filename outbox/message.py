@@ -578,6 +578,10 @@ class Email:
         if payload.get("sender") is None:
             raise InvalidEmail("sender", "the payload has no sender")
         kwargs = {key: value for key, value in payload.items() if key != "v" and value is not None}
+        tags = kwargs.get("tags")
+        if isinstance(tags, Mapping) and not RESERVED_TAGS.isdisjoint(tags):
+            # Stored before the name was reserved: the relay sets its own value for it.
+            kwargs["tags"] = {k: v for k, v in tags.items() if k not in RESERVED_TAGS}
         if "attachments" in kwargs:
             items = kwargs["attachments"]
             if not isinstance(items, list | tuple):

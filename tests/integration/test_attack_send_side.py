@@ -384,12 +384,6 @@ def test_an_intake_catching_up_on_a_backlog_never_gets_a_row_sent_twice(backend)
 # -- tags --------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: outbox_attempt became a reserved tag, and Email.from_payload runs every "
-    "check again: mail an older release stored with its own outbox_attempt tag now fails "
-    "as invalid_payload and is never sent, though build_request lets the relay's tag win",
-)
 def test_mail_stored_with_its_own_outbox_attempt_tag_is_still_sent(backend):
     (mid,) = enqueue(backend.engine, 1, tags={"campaign": "spring"})
     with backend.engine.begin() as conn:
