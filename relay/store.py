@@ -35,6 +35,7 @@ from outbox.schema import (
     TERMINAL,
     AmbiguityPolicy,
     AttemptOutcome,
+    EventType,
     RelayState,
     Status,
     UTCDateTime,
@@ -1057,10 +1058,24 @@ def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
     committed (``received_at``, the database's clock) after the attempt's start plus the
     window, about mail SES took (``mail_at``, SES's clock) after it too. Both clocks must
     have passed the window: a relay's clock plays no part, and an intake that replays an old
-    backlog (recent ``received_at``, old ``mail_at``) proves nothing about this send."""
+    backlog (recent ``received_at``, old ``mail_at``) proves nothing about this send.
+
+    Only an event of the stream that would have named this send proves that stream flows:
+    a Send event (SES publishes one for every send it accepts, at once; a Delivery waits on
+    the receiving server, which may defer it for hours) that the intake matched to one of
+    our rows by its tags (``message_id`` and ``claim_token`` set: the claim token was one of
+    that row's attempts). Identity notifications carry no tags, another deployment's events
+    on a shared topic and forged ones match none of our claim tokens: none of them says
+    anything about whether this send's own event would have arrived."""
     end = _window_end(dialect)
     event = events.alias("flowing")
-    flowed = sa.exists().where(event.c.received_at > end, event.c.mail_at > end)
+    flowed = sa.exists().where(
+        event.c.event_type == EventType.SEND.value,
+        event.c.message_id.is_not(None),
+        event.c.claim_token.is_not(None),
+        event.c.received_at > end,
+        event.c.mail_at > end,
+    )
     matched = sa.exists().where(events.c.message_id == _m.c.id)
     requeued = sa.exists().where(
         attempts.c.message_id == _m.c.id,

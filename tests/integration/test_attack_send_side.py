@@ -98,12 +98,6 @@ def flowing(backend, mail_at: datetime) -> None:
 # -- the reconcile sweep's "flowing" proof -------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: an identity notification of the ambiguous send itself cannot match it "
-    "(no tags, no SES id on the row) and untagged notifications of other mail count as the "
-    "intake flowing: the send SES reported delivered is requeued",
-)
 def test_identity_notifications_never_prove_a_reconcile_row_unsent(backend):
     (mid,) = held(backend)
     t0 = started(backend, mid)
@@ -120,11 +114,6 @@ def test_identity_notifications_never_prove_a_reconcile_row_unsent(backend):
     assert row(backend.engine, mid).status == "unknown_outcome"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: another deployment's Send events on a shared topic (unmatched: not our "
-    "claim tokens) count as our intake flowing, though our own stream may be dead",
-)
 def test_another_deployments_events_never_prove_a_reconcile_row_unsent(backend):
     (mid,) = held(backend)
     later = past_window(backend, mid, 5)
@@ -140,12 +129,6 @@ def test_another_deployments_events_never_prove_a_reconcile_row_unsent(backend):
     assert row(backend.engine, mid).status == "unknown_outcome"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: a Delivery of other mail counts as the intake flowing although deliveries "
-    "lag their sends by the receiver's deferrals (greylisting): only Send events, which every "
-    "accepted send produces at once, prove the row's own event would have come",
-)
 def test_a_delivery_of_other_mail_never_proves_a_reconcile_row_unsent(backend):
     (mid,) = held(backend)
     (other,) = enqueue(backend.engine, 1, outbox=OUTBOX, category="receipts")

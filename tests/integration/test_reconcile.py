@@ -1,11 +1,11 @@
 """The reconcile policy: an ambiguous send is held, and requeued once, automatically, only when
 the event intake provably flowed past its window without an event for it.
 
-Flowing means outbox_events holds an event committed (``received_at``, the database's clock)
-later than the attempt's start plus ``reconcile_after``, about mail SES took (``mail_at``, SES's
-clock) later than that too. The events are inserted here directly, with chosen times; what the
-intake does with a late Send event after a requeue is the intake's own test. On SQLite,
-PostgreSQL and MariaDB.
+Flowing means outbox_events holds a Send event the intake matched to one of our rows by its
+tags, committed (``received_at``, the database's clock) later than the attempt's start plus
+``reconcile_after``, about mail SES took (``mail_at``, SES's clock) later than that too. The
+events are inserted here directly, with chosen times; what the intake does with a late Send
+event after a requeue is the intake's own test. On SQLite, PostgreSQL and MariaDB.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import AmbiguityPolicy, Category, Outbox
-from outbox.schema import events
+from outbox.schema import events, messages
 from relay import signals, store
 from relay.clock import read_database_time
 from relay.senders import Ambiguous
@@ -64,6 +64,8 @@ def event(
     mail_at: datetime | None,
     message_id: int | None = None,
     effect: str = "unmatched",
+    event_type: str = "delivery",
+    claim_token: str | None = None,
 ) -> None:
     """An event row as the intake commits it (the times chosen by the test)."""
     with backend.engine.begin() as conn:
@@ -71,20 +73,49 @@ def event(
             sa.insert(events).values(
                 event_key=uuid.uuid4().hex,
                 received_at=received_at,
-                event_type="delivery",
+                event_type=event_type,
                 event_at=mail_at,
                 mail_at=mail_at,
                 message_id=message_id,
+                tagged_message_id=None if claim_token is None else str(message_id),
+                claim_token=claim_token,
                 effect=effect,
                 source="sns",
             )
         )
 
 
+def sent_row(backend) -> int:
+    """Another message, sent (so no relay of the test sends it)."""
+    (other,) = enqueue(backend.engine, 1)
+    with backend.engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == other)
+            .values(status="sent", provider_message_id=f"ses-{other}")
+        )
+    return other
+
+
+def proof(backend, *, received_at: datetime, mail_at: datetime | None) -> None:
+    """Another message's Send event, matched to it by its tags (the intake's proof that the
+    stream which would name an ambiguous send flows), at the given times."""
+    other = sent_row(backend)
+    event(
+        backend,
+        received_at=received_at,
+        mail_at=mail_at,
+        message_id=other,
+        effect="recorded",
+        event_type="send",
+        claim_token=str(uuid.uuid4()),
+    )
+
+
 def flowing_past(backend, mid: int, seconds: float = 1.0) -> None:
-    """An event (another message's) stamped ``seconds`` past ``mid``'s window on both clocks."""
+    """The intake's proof, stamped ``seconds`` past ``mid``'s window on both clocks."""
     after = started(backend, mid) + timedelta(seconds=WINDOW + seconds)
-    event(backend, received_at=after, mail_at=after)
+    proof(backend, received_at=after, mail_at=after)
 
 
 def reconcile(backend, *, now: datetime | None = None, relay_id: str = "r1") -> list[int]:
@@ -141,9 +172,38 @@ def test_events_not_past_the_window_on_both_clocks_requeue_nothing(backend, rece
     def at(offset: float) -> datetime:
         return t0 + timedelta(seconds=offset if offset == WINDOW else WINDOW + offset)
 
-    event(backend, received_at=at(received), mail_at=None if mail is None else at(mail))
+    proof(backend, received_at=at(received), mail_at=None if mail is None else at(mail))
     assert reconcile(backend) == []
     assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.parametrize(
+    ("kind", "matched", "tagged"),
+    [
+        ("delivery", False, False),  # an identity notification of other mail: no tags
+        ("send", False, True),  # another deployment's (or a forged) Send: not our claim token
+        ("delivery", True, True),  # our other mail's Delivery: deferred deliveries lag
+        ("send", True, False),  # matched by SES message id alone, not by our tags
+        ("bounce", True, True),
+    ],
+)
+def test_only_our_own_send_events_prove_the_intake_flowed(backend, kind, matched, tagged):
+    (mid,) = held(backend)
+    other = sent_row(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 3600)
+    event(
+        backend,
+        received_at=after,
+        mail_at=after,
+        message_id=other if matched else None,
+        effect="recorded" if matched else "unmatched",
+        event_type=kind,
+        claim_token=str(uuid.uuid4()) if tagged else None,
+    )
+    assert reconcile(backend) == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
+    flowing_past(backend, mid)  # the same times, by a matched Send: proof
+    assert reconcile(backend) == [mid]
 
 
 def test_without_any_event_nothing_is_ever_requeued(backend):
@@ -200,7 +260,7 @@ def test_a_skewed_relay_clock_cannot_requeue_early(backend):
     (mid,) = held(backend)
     t0 = started(backend, mid)
     inside = t0 + timedelta(seconds=WINDOW - 1)
-    event(backend, received_at=inside, mail_at=inside)
+    proof(backend, received_at=inside, mail_at=inside)
     ahead = Clock(t0 + timedelta(days=1))
     sender = FakeSender()
     relay = relay_for(backend, sender, ahead, relay_id="r2")
