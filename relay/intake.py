@@ -19,7 +19,9 @@ What one event does (:func:`apply_events`), in the transaction that records it:
    only. A ``sent`` row with another SES message id was sent twice (``duplicate_send``).
 4. ``delivery_status`` only moves up in rank (:attr:`DeliveryStatus.rank`), so events in any
    order converge; permanent bounces and complaints add their addresses to
-   ``outbox_suppressions`` unless they are there.
+   ``outbox_suppressions`` unless they are there, but only the addresses the matched row
+   was sent to (To, Cc, Bcc): an event cannot silence anyone its message never had, and an
+   unmatched one suppresses nothing.
 
 A malformed queue message is recorded (under the digest of its body) and left on the queue,
 so SQS's redrive policy moves it to the dead-letter queue after ``maxReceiveCount`` tries; an
@@ -80,6 +82,7 @@ __all__ = [
     "find_by_tags",
     "insert_event",
     "raise_delivery_status",
+    "recipients_of",
     "record_reconciled_attempt",
     "resolve_sent",
     "set_event_effect",
@@ -208,7 +211,37 @@ def find_by_provider_id(conn: sa.Connection, *, provider_message_id: str) -> _Ro
 
 
 def _read_row(conn: sa.Connection, message_id: int) -> _Row | None:
-    return _as_row(conn.execute(sa.select(*_ROW_COLUMNS).where(_m.c.id == message_id)).first())
+    """The row as it is now, locked: a locking read sees the last committed version even in a
+    transaction whose snapshot predates it (MySQL/MariaDB at REPEATABLE READ re-read a row
+    from the snapshot otherwise, and an UPDATE guarded on what it said never matches)."""
+    stmt = sa.select(*_ROW_COLUMNS).where(_m.c.id == message_id).with_for_update()
+    return _as_row(conn.execute(stmt).first())
+
+
+def recipients_of(conn: sa.Connection, message_id: int) -> frozenset[str]:
+    """recipients_of -- The row's To, Cc and Bcc as lower-cased addr-specs, the form
+    ``outbox_suppressions`` keys on and the relay screens them in. Read from the payload's
+    address lists alone (never its bodies or attachments); an entry that is not text is
+    skipped."""
+    payload = _m.c.payload
+    stmt = sa.select(payload["to"], payload["cc"], payload["bcc"]).where(_m.c.id == message_id)
+    found = conn.execute(stmt).first()
+    addresses: set[str] = set()
+    for field in found or ():
+        if isinstance(field, str):  # a stored scalar where a list belongs
+            field = [field]
+        if not isinstance(field, list):
+            continue
+        addresses.update(_addr_spec(a) for a in field if isinstance(a, str))
+    return frozenset(addresses)
+
+
+def _addr_spec(address: str) -> str:
+    """The lower-cased addr-spec of a canonical address (``a@x.com``, or ``Name <a@x.com>``
+    as :class:`~outbox.Email` stores it)."""
+    if address.endswith(">") and "<" in address:
+        address = address[address.rindex("<") + 1 : -1]
+    return address.strip().lower()
 
 
 def _insert_unless_present(
@@ -474,9 +507,13 @@ def _apply_one(conn: sa.Connection, event: SesEvent, now: datetime, actor: str) 
     reason = _SUPPRESSION_REASONS.get(event.type)
     suppressed: tuple[str, ...] = ()
     if reason is not None and event.suppress:
+        # only addresses this message was sent to: whoever can publish to the topic (or knows
+        # a message's SES id, which its Message-ID header shows every recipient) must not be
+        # able to silence anyone else
+        own = recipients_of(conn, row.id)
         suppressed = suppress_addresses(
             conn,
-            addresses=event.suppress,
+            addresses=[a for a in event.suppress if a in own],
             reason=reason,
             event_id=event_id,
             detail=event.detail,

@@ -137,11 +137,6 @@ def test_an_unordered_backlog_never_requeues_a_send_whose_event_is_still_queued(
     assert late is Effect.RESOLVED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: a complaint or bounce suppresses every address it lists, not only the "
-    "matched message's recipients (an untagged one needs only a known SES message id)",
-)
 def test_an_event_suppresses_only_its_messages_own_recipients(backend: Backend) -> None:
     """An identity notification carries no tags: it is matched by SES message id alone, which
     every recipient reads in the Message-ID header. A forged complaint for that id listing
@@ -217,18 +212,7 @@ def test_a_bounce_before_the_send_is_saved_still_sets_delivery_status(backend: B
     assert suppressed_addresses(backend) == ["customer0@example.com"]
 
 
-_MARIADB_COLLATION = pytest.mark.xfail(
-    strict=True,
-    reason="attack: outbox_suppressions.address takes MariaDB's accent-insensitive collation: "
-    "an entry for josé@ makes jose@'s permanent bounce a duplicate, and jose@ is mailed again",
-)
-
-
-@pytest.mark.parametrize(
-    "backend",
-    ["sqlite", "postgresql", pytest.param("mysql", marks=_MARIADB_COLLATION)],
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mysql"], indirect=True)
 def test_a_bounced_address_is_suppressed_whatever_a_lookalike_holds(backend: Backend) -> None:
     sent_row(backend, "ses-1", to="jose@example.com")
     sent_row(backend, "ses-2", to="jose@example.com")
@@ -275,17 +259,7 @@ def test_a_forged_future_event_time_never_hides_the_intakes_lag(backend: Backend
     assert lag > 3000
 
 
-_REPEATABLE_READ = pytest.mark.xfail(
-    strict=True,
-    reason="attack: on a MariaDB engine at its default REPEATABLE READ, a replica whose "
-    "snapshot predates another's resolve re-reads the row from that snapshot: its Bounce is "
-    "recorded and delivery_status never rises",
-)
-
-
-@pytest.mark.parametrize(
-    "server_backend", ["postgresql", pytest.param("mysql", marks=_REPEATABLE_READ)], indirect=True
-)
+@pytest.mark.parametrize("server_backend", ["postgresql", "mysql"], indirect=True)
 def test_a_replica_with_an_old_snapshot_still_applies_its_event(server_backend: Backend) -> None:
     """``Intake`` and ``apply_events`` take any engine (only the CLI builds READ COMMITTED;
     the relay warns about REPEATABLE READ, the intake does not). Replica B's batch began

@@ -28,6 +28,7 @@ from relay.db import make_engine
 from relay.events import SesEvent, parse
 from relay.intake import Effect, apply_events
 from tests.support.db import Backend, attempt_rows, row
+from tests.support.factories import enqueue
 from tests.support.sqs import MAIL_AT, raw_body, ses_event, sns_body, stage
 from tests.support.waiting import wait_for
 
@@ -409,7 +410,8 @@ def test_a_finished_unsent_row_is_recorded_only(backend: Backend, status):
 def test_permanent_bounces_and_complaints_suppress_their_addresses(backend: Backend):
     engine = backend.engine
     token = str(uuid.uuid4())
-    mid = stage(engine, Status.SENT, tokens=(token,), provider_id="ses-14")
+    to = ("gone@example.com", "angry@example.com", "full@example.com", "kept@example.com")
+    mid = stage(engine, Status.SENT, tokens=(token,), provider_id="ses-14", to=to)
     with engine.begin() as conn:
         conn.execute(
             sa.insert(suppressions).values(
@@ -448,6 +450,40 @@ def test_permanent_bounces_and_complaints_suppress_their_addresses(backend: Back
     )
     assert (angry.reason, angry.detail, angry.event_id) == ("complaint", "abuse", ids["complaint"])
     assert (kept.reason, kept.actor, kept.event_id) == ("manual", "ops", None)
+
+
+def test_an_event_suppresses_only_addresses_its_message_was_sent_to(backend: Backend):
+    """To, Cc and Bcc, by addr-spec (display name and case aside); an address the complaint
+    adds, and any address of an event matched to no row, stay mailable."""
+    engine = backend.engine
+    (mid,) = enqueue(
+        engine,
+        1,
+        to=["Jane Doe <Jane@Example.com>"],
+        cc=["cc@example.com"],
+        bcc=["hidden@example.com"],
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == mid)
+            .values(status="sent", provider_message_id="ses-own")
+        )
+    complaint = ses_event("notification_complaint", provider_id="ses-own", to="jane@example.com")
+    complaint["complaint"]["complainedRecipients"] += [
+        {"emailAddress": a}
+        for a in ("CC@example.com", "hidden@example.com", "stranger@example.com")
+    ]
+    stray = ses_event("notification_bounce", provider_id="ses-nobody", to="other@example.com")
+    done = apply(engine, sns_body(complaint), sns_body(stray))
+    assert effects(done) == ["status", "unmatched"]
+    assert done[0].suppressed == ("cc@example.com", "hidden@example.com", "jane@example.com")
+    assert done[1].suppressed == ()
+    assert sorted(suppressed(engine)) == [
+        "cc@example.com",
+        "hidden@example.com",
+        "jane@example.com",
+    ]
 
 
 # -- malformed ------------------------------------------------------------------------------

@@ -182,12 +182,13 @@ def stage(
     current: str | None = None,
     provider_id: str | None = None,
     attempt_ids: tuple[str | None, ...] = (),
-    to: str = "customer0@example.com",
+    to: str | tuple[str, ...] = "customer0@example.com",
 ) -> int:
     """One message left in ``status``: an ambiguous attempt row per claim token in
     ``tokens`` (with the SES message id of the same place in ``attempt_ids``), ``current``
-    its claim token now, ``provider_id`` on the row."""
-    (message_id,) = enqueue(engine, 1, to=[to])
+    its claim token now, ``provider_id`` on the row, sent to ``to`` (one address or
+    several)."""
+    (message_id,) = enqueue(engine, 1, to=[to] if isinstance(to, str) else list(to))
     with engine.begin() as conn:
         for n, token in enumerate(tokens):
             conn.execute(
