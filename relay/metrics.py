@@ -54,7 +54,10 @@ name                                type      labels               what
                                                                    database
 ``outbox_event_intake_lag_seconds`` gauge                          the database's now minus the
                                                                    newest event's own time (SES's):
-                                                                   how far behind SES the intake is
+                                                                   how far behind SES the intake
+                                                                   is; an event stamped more than
+                                                                   a minute after its receipt is
+                                                                   left out (forged)
 ``outbox_bounce_rate``              gauge     category             bounced / sent over 24 h, from
                                                                    ``outbox_delivery_summary``
 ``outbox_complaint_rate``           gauge     category             complained / sent over 24 h
@@ -94,7 +97,13 @@ from relay.clock import read_database_time
 from relay.intake import Intake
 from relay.worker import Relay
 
-__all__ = ["CLAIM_BUCKETS", "SEND_BUCKETS", "IntakeMetrics", "RelayMetrics"]
+__all__ = [
+    "CLAIM_BUCKETS",
+    "FUTURE_TOLERANCE_SECONDS",
+    "SEND_BUCKETS",
+    "IntakeMetrics",
+    "RelayMetrics",
+]
 
 _log = logging.getLogger("relay.metrics")
 
@@ -348,21 +357,48 @@ class _IntakeReading:
 
 _RATES = sa.text("SELECT category, bounce_rate, complaint_rate FROM outbox_delivery_summary")
 _LAG_WINDOW = timedelta(hours=1)  # the newest event is looked for among those received since
+# How far after its receipt an event's own time may be and still be believed. An honest event
+# happened before the intake received it; its time can only read later by the skew between
+# SES's clock and the database's, which NTP keeps well under a second (AWS's within a
+# millisecond). A minute leaves room for a database host whose clock drifted, and is the most
+# lag a forged timestamp can hide; a time further ahead is forged (or a broken clock) and says
+# nothing about how far behind the intake is.
+FUTURE_TOLERANCE_SECONDS = 60
+
+
+def _believable(conn: sa.Connection) -> sa.ColumnElement[bool]:
+    """``event_at <= received_at + FUTURE_TOLERANCE_SECONDS``, computed by the database in the
+    form it stores timestamps in (SQLite: text, to the millisecond)."""
+    e = events.c
+    seconds = FUTURE_TOLERANCE_SECONDS
+    name = conn.dialect.name
+    latest: sa.ColumnElement[Any]
+    if name == "postgresql":
+        latest = e.received_at + sa.text(f"interval '{seconds} seconds'")
+    elif name in ("mysql", "mariadb"):
+        latest = sa.func.timestampadd(sa.literal_column("SECOND"), seconds, e.received_at)
+    else:
+        latest = sa.func.strftime("%Y-%m-%d %H:%M:%f", e.received_at, f"+{seconds} seconds")
+    return e.event_at <= latest
 
 
 def _read_intake(conn: sa.Connection) -> _IntakeReading:
     """The intake's lag and the delivery rates, on ``conn``. The newest event is looked for
     among those received in the last hour (the received_at index), else it is the last one
-    received: never a scan of the whole event table."""
+    received: never a scan of the whole event table. An event whose own time is later than
+    its receipt (beyond :data:`FUTURE_TOLERANCE_SECONDS`) is left out: one forged event
+    stamped in the future would otherwise read as an intake with no lag, whatever its
+    backlog."""
     now = read_database_time(conn)
     e = events.c
+    believable = _believable(conn)
     newest = conn.execute(
-        sa.select(sa.func.max(e.event_at)).where(e.received_at >= now - _LAG_WINDOW)
+        sa.select(sa.func.max(e.event_at)).where(e.received_at >= now - _LAG_WINDOW, believable)
     ).scalar()
     if newest is None:
         newest = conn.execute(
             sa.select(e.event_at)
-            .where(e.event_at.is_not(None))
+            .where(e.event_at.is_not(None), believable)
             .order_by(e.received_at.desc())
             .limit(1)
         ).scalar()
