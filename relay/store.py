@@ -41,6 +41,7 @@ from outbox.schema import (
     UTCDateTime,
     attempts,
     events,
+    intakes,
     messages,
     relays,
     send_budget,
@@ -1034,22 +1035,64 @@ class Reconciled:
     reconcile_after: float
 
 
+def _plus_seconds(
+    dialect: str, at: sa.ColumnElement[Any], seconds: sa.ColumnElement[Any]
+) -> sa.ColumnElement[Any]:
+    """``at + seconds`` (a column of seconds), computed by the database, in the form its
+    timestamps are stored in so a comparison with another timestamp column can use that
+    column's index. SQLite stores text and its date functions keep milliseconds only
+    (parsing and formatting each cut up to one): its sum is put 3 ms later, so it is never
+    earlier than the true one (late by less than 3 ms, never early)."""
+    if dialect == "postgresql":
+        interval = sa.func.make_interval(0, 0, 0, 0, 0, 0, seconds, type_=sa.Interval())
+        return at + interval
+    if dialect in ("mysql", "mariadb"):
+        micros = sa.cast(sa.func.round(seconds * 1_000_000), sa.BigInteger())
+        return sa.func.timestampadd(sa.literal_column("MICROSECOND"), micros, at)
+    modifier = sa.literal("+") + sa.cast(seconds + 0.003, sa.Text()) + sa.literal(" seconds")
+    return sa.func.strftime("%Y-%m-%d %H:%M:%f", at, modifier)
+
+
 def _window_end(dialect: str) -> sa.ColumnElement[Any]:
     """``send_started_at + reconcile_after`` seconds, computed by the database (each row has
-    its own window), in the form its timestamps are stored in so the comparison with
-    ``outbox_events.received_at`` can use that column's index. SQLite stores text and its
-    date functions keep milliseconds only (parsing and formatting each cut up to one): its
-    end is put 3 ms later, so it is never earlier than the true end (late by less than 3 ms
-    on a window of minutes, never early)."""
-    started, window = _m.c.send_started_at, _m.c.reconcile_after
-    if dialect == "postgresql":
-        seconds = sa.func.make_interval(0, 0, 0, 0, 0, 0, window, type_=sa.Interval())
-        return started + seconds
-    if dialect in ("mysql", "mariadb"):
-        micros = sa.cast(sa.func.round(window * 1_000_000), sa.BigInteger())
-        return sa.func.timestampadd(sa.literal_column("MICROSECOND"), micros, started)
-    modifier = sa.literal("+") + sa.cast(window + 0.003, sa.Text()) + sa.literal(" seconds")
-    return sa.func.strftime("%Y-%m-%d %H:%M:%f", started, modifier)
+    its own window); never earlier than the true end (:func:`_plus_seconds`)."""
+    return _plus_seconds(dialect, _m.c.send_started_at, _m.c.reconcile_after)
+
+
+# SQS's longest visibility timeout (12 hours): an outbox_intakes row outside [0, this] is not
+# a queue's, and proves nothing
+_MAX_VISIBILITY_SECONDS = 12 * 3600.0
+
+
+def _drained_after(dialect: str, event: sa.FromClause) -> sa.Exists:
+    """Some intake replica found its queue empty (``caught_up_at``, the database's clock)
+    more than the queue's visibility timeout after ``event`` was committed.
+
+    SQS standard queues keep no order: while a backlog drains, an event of later mail can be
+    committed before an ambiguous send's own, which is still waiting in the queue (or taken
+    by a replica that has not committed it yet). A receive that found the queue empty after
+    the proof event proves nothing older was still visible then; a message a replica took
+    and dropped (it died, or its transaction failed) stays hidden for the visibility timeout,
+    hence the timeout's margin. Without an ``outbox_intakes`` row nothing is proven.
+
+    What remains: a replica that takes the row's own event and dies, and the replica that
+    takes it next when it reappears dies too, hides it for two visibility timeouts; a
+    ``caught_up_at`` between the first and the second proves a drained queue that was not.
+    SQS's ``maxReceiveCount`` sends a message received that often to the dead-letter queue,
+    where no intake reads it at all. Both need replicas to die with that very message in
+    hand, back to back (a relay whose sweep runs in between resends the row); the
+    dead-letter queue's alarm is the operator's signal, and a resend shows as
+    ``duplicate_send`` once the event is replayed."""
+    intake = intakes.alias("drained")
+    visibility = intake.c.visibility_timeout
+    margin = sa.case(
+        (
+            sa.and_(visibility >= 0, visibility <= _MAX_VISIBILITY_SECONDS),
+            _plus_seconds(dialect, event.c.received_at, visibility),
+        ),
+        else_=sa.null(),
+    )
+    return sa.exists().where(intake.c.caught_up_at > margin)
 
 
 def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
@@ -1066,7 +1109,9 @@ def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
     our rows by its tags (``message_id`` and ``claim_token`` set: the claim token was one of
     that row's attempts). Identity notifications carry no tags, another deployment's events
     on a shared topic and forged ones match none of our claim tokens: none of them says
-    anything about whether this send's own event would have arrived."""
+    anything about whether this send's own event would have arrived. And an intake replica
+    must have found its queue empty after that event committed (:func:`_drained_after`): an
+    unordered backlog commits later mail's events before this send's own."""
     end = _window_end(dialect)
     event = events.alias("flowing")
     flowed = sa.exists().where(
@@ -1075,6 +1120,7 @@ def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
         event.c.claim_token.is_not(None),
         event.c.received_at > end,
         event.c.mail_at > end,
+        _drained_after(dialect, event),
     )
     matched = sa.exists().where(events.c.message_id == _m.c.id)
     requeued = sa.exists().where(
@@ -1112,9 +1158,11 @@ def reconcile_unknown(
 
     A row qualifies if it is ``unknown_outcome`` with ``reconcile_after`` set, no event in
     ``outbox_events`` is matched to it, no ``reconcile:requeued`` attempt exists for it (a
-    row requeued once that comes back ambiguous stays for a human), and an event exists
-    with ``received_at`` and ``mail_at`` both later than ``send_started_at`` (kept by
-    :func:`hold_unknown`) plus the window. Without events nothing qualifies, ever.
+    row requeued once that comes back ambiguous stays for a human), and the intake's proof
+    exists (:func:`_reconcilable`): one of our Send events with ``received_at`` and
+    ``mail_at`` both later than ``send_started_at`` (kept by :func:`hold_unknown`) plus the
+    window, and an intake that found its queue empty a visibility timeout after it
+    committed. Without events and ``outbox_intakes`` rows nothing qualifies, ever.
 
     At most ``limit`` rows a call, oldest attempt first, read ``FOR UPDATE SKIP LOCKED``
     (``lock=False`` reads without locking, so tests can race two reconciles). Each is

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import AmbiguityPolicy, Category, Outbox
-from outbox.schema import events, messages
+from outbox.schema import events, intakes, messages
 from relay import signals, store
 from relay.clock import read_database_time
 from relay.senders import Ambiguous
@@ -30,6 +30,7 @@ from tests.support.hand_clocks import Clock
 from tests.support.inprocess import closing, receiving, relay_for, settle
 
 WINDOW = 60.0
+VISIBILITY = 30.0  # seconds: the events queue's visibility timeout
 OUTBOX = Outbox(
     categories=[
         Category(name="receipts", ambiguity=AmbiguityPolicy.RECONCILE, reconcile_after=WINDOW),
@@ -97,9 +98,38 @@ def sent_row(backend) -> int:
     return other
 
 
-def proof(backend, *, received_at: datetime, mail_at: datetime | None) -> None:
+def caught_up(
+    backend, at: datetime | None, *, visibility: float = VISIBILITY, intake_id: str = "intake-1"
+) -> None:
+    """An intake replica's row in outbox_intakes, as it writes it: it found its queue (whose
+    visibility timeout is ``visibility`` seconds) empty at ``at`` (the database's clock)."""
+    with backend.engine.begin() as conn:
+        conn.execute(sa.delete(intakes).where(intakes.c.intake_id == intake_id))
+        conn.execute(
+            sa.insert(intakes).values(
+                intake_id=intake_id,
+                queue_url="https://sqs.eu-west-1.amazonaws.com/123456789012/ses-events",
+                visibility_timeout=visibility,
+                started_at=at or read_now(backend),
+                heartbeat_at=at or read_now(backend),
+                caught_up_at=at,
+            )
+        )
+
+
+def read_now(backend) -> datetime:
+    with backend.engine.connect() as conn:
+        return read_database_time(conn)
+
+
+def proof(
+    backend, *, received_at: datetime, mail_at: datetime | None, drained: bool = True
+) -> None:
     """Another message's Send event, matched to it by its tags (the intake's proof that the
-    stream which would name an ambiguous send flows), at the given times."""
+    stream which would name an ambiguous send flows), at the given times; with ``drained``,
+    an intake then found its queue empty, a second past the visibility timeout."""
+    if drained:
+        caught_up(backend, received_at + timedelta(seconds=VISIBILITY + 1))
     other = sent_row(backend)
     event(
         backend,
@@ -204,6 +234,56 @@ def test_only_our_own_send_events_prove_the_intake_flowed(backend, kind, matched
     assert row(backend.engine, mid).status == "unknown_outcome"
     flowing_past(backend, mid)  # the same times, by a matched Send: proof
     assert reconcile(backend) == [mid]
+
+
+def test_without_an_intake_that_found_its_queue_empty_nothing_is_requeued(backend):
+    (mid,) = held(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 3600)
+    proof(backend, received_at=after, mail_at=after, drained=False)
+    assert reconcile(backend) == []  # no outbox_intakes row at all
+    caught_up(backend, None)  # a replica that never found its queue empty
+    assert reconcile(backend) == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+@pytest.mark.parametrize(
+    ("drained", "requeued"),
+    [
+        (-1.0, False),  # the queue was empty before the proof committed: a backlog since
+        (0.0, False),  # empty as the proof committed
+        (VISIBILITY - 1, False),  # a message another replica took may still be hidden
+        (VISIBILITY, False),  # exactly the visibility timeout later: not past it
+        (VISIBILITY + 1, True),
+    ],
+)
+def test_the_proof_counts_once_the_queue_was_found_empty_a_visibility_timeout_later(
+    backend, drained, requeued
+):
+    (mid,) = held(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 5)
+    proof(backend, received_at=after, mail_at=after, drained=False)
+    caught_up(backend, after + timedelta(seconds=drained))
+    assert reconcile(backend) == ([mid] if requeued else [])
+
+
+def test_any_replica_that_found_the_queue_empty_will_do(backend):
+    (mid,) = held(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 5)
+    proof(backend, received_at=after, mail_at=after, drained=False)
+    caught_up(backend, after - timedelta(seconds=1), intake_id="intake-a")
+    assert reconcile(backend) == []
+    caught_up(backend, after + timedelta(seconds=VISIBILITY + 1), intake_id="intake-b")
+    assert reconcile(backend) == [mid]
+
+
+@pytest.mark.parametrize("visibility", [-VISIBILITY, 1e300], ids=["negative", "huge"])
+def test_an_intake_row_with_an_unusable_visibility_timeout_proves_nothing(backend, visibility):
+    (mid,) = held(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 5)
+    proof(backend, received_at=after, mail_at=after, drained=False)
+    caught_up(backend, after + timedelta(seconds=1), visibility=visibility)
+    assert reconcile(backend) == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
 
 
 def test_without_any_event_nothing_is_ever_requeued(backend):
