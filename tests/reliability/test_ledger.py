@@ -77,6 +77,8 @@ def ledger_run(server_backend, moto, tmp_path, scenario: str, count: int, **opti
         **options,
     )
     print("\n" + summary.line())
+    for problem in summary.problems[:20]:
+        print("  PROBLEM", problem)
     return summary
 
 
