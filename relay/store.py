@@ -56,6 +56,7 @@ __all__ = [
     "OUTBOX_TABLES",
     "AttemptRecord",
     "Claim",
+    "Confirmed",
     "Expired",
     "Filter",
     "Reconciled",
@@ -95,6 +96,7 @@ __all__ = [
     "release_unstarted",
     "requeue",
     "requeue_many",
+    "resolve_confirmed",
     "schedule_retry",
     "send_bookings",
     "settle_expired_leases",
@@ -1127,12 +1129,18 @@ def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
         attempts.c.message_id == _m.c.id,
         attempts.c.outcome == AttemptOutcome.RECONCILE_REQUEUED.value,
     )
+    # SES answered one of its sends with a MessageId (a stale:accepted saved after the
+    # sweep took the row, or any attempt that names one): a requeue can only send it twice
+    answered = sa.exists().where(
+        attempts.c.message_id == _m.c.id, attempts.c.provider_message_id.is_not(None)
+    )
     return [
         _m.c.status == Status.UNKNOWN_OUTCOME.value,
         _m.c.reconcile_after.is_not(None),
         _m.c.send_started_at.is_not(None),
         ~matched,
         ~requeued,
+        ~answered,
         flowed,
     ]
 
@@ -1216,6 +1224,115 @@ def reconcile_unknown(
         ),
     )
     return done
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Confirmed:
+    """An unknown_outcome row :func:`resolve_confirmed` settled as sent."""
+
+    id: int
+    category: str
+    provider_message_id: str
+
+
+_confirming = attempts.alias("confirming")
+# an attempt of the row that carries SES's MessageId and began no earlier than the row's
+# ambiguous attempt: SES's answer to that very call (its ``stale:`` form, saved after the
+# claim was gone) or to a later one
+_CONFIRMS = (
+    _confirming.c.message_id == _m.c.id,
+    _confirming.c.provider_message_id.is_not(None),
+    _confirming.c.started_at >= _m.c.send_started_at,
+)
+
+
+def resolve_confirmed(
+    conn: sa.Connection, *, now: datetime, relay_id: str, limit: int = 100, lock: bool = True
+) -> list[Confirmed]:
+    """resolve_confirmed -- unknown_outcome -> sent, for ambiguous sends of the reconcile
+    policy that SES itself answered with its MessageId after all.
+
+    A relay frozen past its lease finishes its call when it thaws: the sweep has already
+    held the row, so the relay's ``accepted`` is saved as ``stale:accepted`` with SES's
+    MessageId, under the claim of the attempt that was held. That is SES's own word that it
+    took the send, as good as its Send event: the row is sent, with that id and the time
+    the answer came (``sent_at``), a ``reconciled`` attempt row recording it. Leaving it for
+    a human would leave a sent message looking unsent, one operator requeue away from a
+    second copy; :func:`reconcile_unknown` never requeues a row with such an attempt.
+
+    Only rows of the reconcile policy (its sweep's index reads them; a hold row is the
+    operator's by that policy's choice, and its ``show`` lists the attempt). Each row moves
+    by its own guarded UPDATE naming the ambiguous attempt's start, so racing replicas
+    resolve it once. Runs in the caller's transaction; ``now`` is the database's clock.
+    """
+    where = (
+        _m.c.status == Status.UNKNOWN_OUTCOME.value,
+        _m.c.reconcile_after.is_not(None),
+        _m.c.send_started_at.is_not(None),
+    )
+    stmt = (
+        sa.select(_m.c.id, _m.c.category, _m.c.send_started_at)
+        .where(*where, sa.exists().where(*_CONFIRMS))
+        .order_by(_m.c.send_started_at, _m.c.id)
+        .limit(limit)
+    )
+    rows = conn.execute(stmt.with_for_update(skip_locked=True) if lock else stmt).all()
+    done: list[tuple[Confirmed, str | None]] = []
+    for row in rows:
+        answer = (
+            sa.select(
+                _confirming.c.provider_message_id,
+                _confirming.c.claim_token,
+                _confirming.c.finished_at,
+            )
+            .where(_m.c.id == row.id, *_CONFIRMS)
+            .order_by(_confirming.c.id.desc())
+            .limit(1)
+        )
+        found = conn.execute(answer).first()
+        if found is None:
+            continue
+        update = (
+            sa.update(_m)
+            .where(_m.c.id == row.id, _m.c.send_started_at == row.send_started_at, *where)
+            .values(
+                status=Status.SENT.value,
+                provider_message_id=found.provider_message_id,
+                sent_at=found.finished_at,
+                claim_token=None,
+                lease_expires_at=None,
+                last_error_code=None,
+                last_error_message=None,
+                updated_at=now,
+            )
+        )
+        if conn.execute(update).rowcount != 1:
+            continue  # moved by an event, an operator or another relay since the read
+        confirmed = Confirmed(
+            id=row.id, category=row.category, provider_message_id=found.provider_message_id
+        )
+        done.append((confirmed, found.claim_token))
+    record_attempts(
+        conn,
+        (
+            AttemptRecord(
+                message_id=c.id,
+                claim_token=token,
+                relay_id=relay_id,
+                started_at=None,
+                finished_at=now,
+                outcome=AttemptOutcome.RECONCILED,
+                provider_message_id=c.provider_message_id,
+                error_code="provider_answered",
+                error_message=(
+                    f"SES answered the held attempt with {c.provider_message_id} after its "
+                    f"claim was gone; resolved sent by {relay_id}"
+                ),
+            )
+            for c, token in done
+        ),
+    )
+    return [c for c, _ in done]
 
 
 # -- operator transitions ----------------------------------------------------------------

@@ -925,16 +925,19 @@ class Relay:
         return self._reconcile(now) or bool(swept)
 
     def _reconcile(self, now: datetime) -> bool:
-        """Requeue, once, the reconcile policy's ambiguous sends that no event named while
-        the intake flowed past their window (:func:`relay.store.reconcile_unknown`): every
-        replica runs it, the guarded requeue makes racing ones harmless. A statement error
-        is logged and tried again next interval: a broken reconcile must not stop sending."""
+        """Settle the reconcile policy's ambiguous sends: those SES answered with its
+        MessageId after all become sent (:func:`relay.store.resolve_confirmed`), then those
+        no event named while the intake flowed past their window are requeued, once
+        (:func:`relay.store.reconcile_unknown`). Every replica runs it, the guarded writes
+        make racing ones harmless. A statement error is logged and tried again next
+        interval: a broken reconcile must not stop sending."""
         mono = time.monotonic()
         if mono - self._last_reconcile < _RECONCILE_INTERVAL:
             return False
         self._last_reconcile = mono
         try:
             with self._transaction() as conn:
+                confirmed = store.resolve_confirmed(conn, now=now, relay_id=self.relay_id)
                 requeued = store.reconcile_unknown(conn, now=now, relay_id=self.relay_id)
         except sa.exc.DBAPIError as exc:
             if _is_outage(exc):
@@ -945,6 +948,22 @@ class Relay:
                 extra={"action": "reconcile_failed"},
             )
             return False
+        for c in confirmed:
+            _log.info(
+                "sent: SES answered the ambiguous send with its MessageId after the sweep",
+                extra={
+                    "action": "reconcile_sent",
+                    "message_id": c.id,
+                    "provider_message_id": c.provider_message_id,
+                },
+            )
+            signals.reconciled.send(
+                self,
+                message_id=c.id,
+                category=c.category,
+                result="sent",
+                provider_message_id=c.provider_message_id,
+            )
         for r in requeued:
             _log.warning(
                 "requeued: no event for the ambiguous send while the intake flowed past its window",
@@ -957,7 +976,7 @@ class Relay:
                 result="requeued",
                 provider_message_id=None,
             )
-        return bool(requeued)
+        return bool(confirmed or requeued)
 
     def _expire(self, now: datetime) -> None:
         """Expire rows that are not due yet; due ones are expired by the claim itself."""

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import AmbiguityPolicy, Category, Outbox
-from outbox.schema import events, intakes, messages
+from outbox.schema import attempts, events, intakes, messages
 from relay import signals, store
 from relay.clock import read_database_time
 from relay.senders import Ambiguous
@@ -443,3 +443,98 @@ def test_two_relays_racing_on_stale_reads_requeue_once(server_backend):
     assert sorted(len(found) for found in results.values()) == [0, 1]
     assert outcomes(backend, mid).count("reconcile:requeued") == 1
     assert row(backend.engine, mid).status == "pending"
+
+
+# -- SES answered after all: the held attempt's stale:accepted ---------------------------
+
+
+def answered(
+    backend,
+    mid: int,
+    provider_id: str,
+    *,
+    outcome: str = "stale:accepted",
+    started_at: datetime | None = None,
+) -> None:
+    """SES's answer to the held attempt, saved after its claim was gone: an attempt under the
+    held attempt's claim token, started when it did (or at ``started_at``)."""
+    held_attempt = attempt_rows(backend.engine, mid)[0]
+    with backend.engine.begin() as conn:
+        conn.execute(
+            sa.insert(attempts).values(
+                message_id=mid,
+                claim_token=held_attempt.claim_token,
+                relay_id=held_attempt.relay_id,
+                started_at=started_at or started(backend, mid),
+                finished_at=read_database_time(conn),
+                outcome=outcome,
+                provider_message_id=provider_id,
+            )
+        )
+
+
+def test_a_held_send_ses_answered_after_all_is_sent_never_requeued(backend):
+    (mid,) = held(backend)
+    t0 = started(backend, mid)
+    answered(backend, mid, "ses-late-1")
+    flowing_past(backend, mid, seconds=3600)
+    assert reconcile(backend) == []  # the proof is there: SES's answer wins over it
+    sender = FakeSender()
+    relay = relay_for(backend, sender, relay_id="r2")
+    with closing(relay), receiving(signals.reconciled, relay) as reconciled:
+        relay._last_reconcile = relay._last_sweep = -math.inf
+        settle(relay)
+    assert sender.calls == []
+    r = row(backend.engine, mid)
+    assert (r.status, r.provider_message_id, r.last_error_code) == ("sent", "ses-late-1", None)
+    assert r.sent_at is not None
+    assert r.sent_at >= t0
+    assert outcomes(backend, mid) == ["ambiguous", "stale:accepted", "reconciled"]
+    settled = attempt_rows(backend.engine, mid)[-1]
+    assert (settled.relay_id, settled.provider_message_id) == ("r2", "ses-late-1")
+    assert settled.claim_token == attempt_rows(backend.engine, mid)[0].claim_token
+    assert reconciled == [
+        {
+            "message_id": mid,
+            "category": "receipts",
+            "result": "sent",
+            "provider_message_id": "ses-late-1",
+        }
+    ]
+
+
+def test_two_relays_resolving_in_turn_resolve_once(backend):
+    (mid,) = held(backend)
+    answered(backend, mid, "ses-late-1")
+    with backend.engine.begin() as conn:
+        now = read_database_time(conn)
+        first = store.resolve_confirmed(conn, now=now, relay_id="r1", lock=False)
+        second = store.resolve_confirmed(conn, now=now, relay_id="r2", lock=False)
+    assert [(c.id, c.category, c.provider_message_id) for c in first] == [
+        (mid, "receipts", "ses-late-1")
+    ]
+    assert second == []
+    assert outcomes(backend, mid).count("reconciled") == 1
+
+
+def test_an_answer_to_an_earlier_attempt_leaves_the_row_for_a_human(backend):
+    """A MessageId from before the held attempt began names an earlier send, not this one:
+    the row is not resolved by it, and not requeued either (SES took the message once)."""
+    (mid,) = held(backend)
+    answered(backend, mid, "ses-earlier", started_at=started(backend, mid) - timedelta(hours=1))
+    flowing_past(backend, mid, seconds=3600)
+    with backend.engine.begin() as conn:
+        now = read_database_time(conn)
+        assert store.resolve_confirmed(conn, now=now, relay_id="r1") == []
+        assert store.reconcile_unknown(conn, now=now, relay_id="r1") == []
+    r = row(backend.engine, mid)
+    assert (r.status, r.provider_message_id) == ("unknown_outcome", None)
+
+
+def test_a_hold_row_ses_answered_is_left_to_its_operator(backend):
+    (mid,) = held(backend, "default")
+    answered(backend, mid, "ses-late-1")
+    with backend.engine.begin() as conn:
+        now = read_database_time(conn)
+        assert store.resolve_confirmed(conn, now=now, relay_id="r1") == []
+    assert row(backend.engine, mid).status == "unknown_outcome"
