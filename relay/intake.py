@@ -534,11 +534,14 @@ def _apply_one(conn: sa.Connection, event: SesEvent, now: datetime, actor: str) 
 
 
 def _is_outage(exc: sa.exc.DBAPIError) -> bool:
-    """An error that says nothing about the statement (the server went away, a deadlock, a
-    lock wait ran out): the whole batch is retried. Anything else is this event's fault."""
-    return exc.connection_invalidated or isinstance(
-        exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.InternalError
-    )
+    """Whether ``exc`` is not this event's fault: anything but a value the database will not
+    store (a data or integrity error on a live connection). A lost server, a deadlock, a lock
+    wait, but also a missing table or a missing grant: the whole batch is retried and nothing
+    is deleted, so a schema or permission mistake never sends good events to the dead-letter
+    queue."""
+    if exc.connection_invalidated:
+        return True
+    return not isinstance(exc, sa.exc.DataError | sa.exc.IntegrityError)
 
 
 def apply_events(

@@ -642,3 +642,19 @@ def test_replicas_racing_on_overlapping_batches_apply_each_event_once(server_bac
             assert [a.outcome for a in attempt_rows(engine, mid)] == ["ambiguous", "reconciled"]
     finally:
         engine.dispose()
+
+
+def test_a_missing_table_fails_the_whole_batch_instead_of_refusing_each_event(
+    postgres_backend: Backend,
+):
+    """A schema or grant mistake is not the events' fault: the batch raises (the loop deletes
+    nothing and retries) instead of leaving every event for the dead-letter queue."""
+    engine = postgres_backend.engine
+    event = parse(sns_body(ses_event("send", provider_id="ses-17", message_id=1, claim_token="t")))
+    with engine.connect() as conn:
+        transaction = conn.begin()  # PostgreSQL's DDL is transactional: rolled back below
+        conn.exec_driver_sql("ALTER TABLE outbox_events RENAME TO outbox_events_gone")
+        with pytest.raises(sa.exc.ProgrammingError):
+            apply_events(conn, [event], now=NOW)
+        transaction.rollback()
+    assert event_rows(engine) == []
