@@ -69,16 +69,19 @@ moto, and the relays read it (``run`` gives each ``outbox-relay run`` an
 enqueue adds a fourth category, ``reconcile`` (policy reconcile, a window of
 ``RECONCILE_AFTER`` seconds instead of 15 minutes). After the chaos the faults end, a trickle
 of new mail (one every ``TICK_INTERVAL`` s: production traffic, whose events prove the intake
-flows past each window) runs until the intake and the reconcile sweeps owe nothing more, and
-the reconciliation adds, per ambiguous send (an unanswered attempt of hold or reconcile mail,
-told apart by its claim token, which the SES request carries as the ``outbox_attempt`` tag):
+flows past each window; sparser than the intake's long poll, so a receive can find the queue
+empty, the sweep's proof that no older event still waits) runs until the intake and the
+reconcile sweeps owe nothing more, and the reconciliation adds, per ambiguous send (an
+unanswered attempt of hold or reconcile mail, told apart by its row and claim token, which
+the SES request carries as the ``outbox_attempt`` tag):
 
 * it reached SES (the fault server saw moto accept that claim token's request): the row is
   ``sent`` with the MessageId moto gave that request, received once, never requeued;
 * it did not, reconcile mail: requeued once (attempt ``reconcile:requeued``), then received
   exactly once; hold mail: still ``unknown_outcome``, for a human;
 * every event published is one ``outbox_events`` row, none malformed, the dead-letter queue
-  empty, and every sent row whose Delivery event was published is ``delivered``.
+  empty, and every sent row whose Delivery event (of the send whose id it holds) was published
+  is ``delivered``.
 
 ``reconcile`` is the scenario made for it: a burst of SES faults (``FAULT_BURST`` seconds,
 shorter than the window, so each requeue is sent after it) with resets before forwarding
@@ -129,7 +132,15 @@ import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
 from outbox import Category, Outbox, migrations
-from outbox.schema import attempts, events, messages, operator_actions, relays, suppressions
+from outbox.schema import (
+    attempts,
+    events,
+    intakes,
+    messages,
+    operator_actions,
+    relays,
+    suppressions,
+)
 from relay.db import make_engine
 from relay.testing import read_deliveries
 from tests.support.clocks import shifted
@@ -208,7 +219,10 @@ RECONCILE_FAULT_MIX = {
     "reset_before": 0.12,
 }
 FAULT_BURST = RECONCILE_AFTER - 2.0  # seconds
-TICK_INTERVAL = 0.5  # seconds between two messages of the trickle after the chaos
+# seconds between two messages of the trickle after the chaos: longer than the intake's long
+# poll (2 s here), so a receive can come back empty, which is what proves to the reconcile
+# sweep that no older event still waits in the queue
+TICK_INTERVAL = 3.0
 # seconds the intake and the reconcile sweeps may take to owe nothing more after the chaos
 TRUTH_TIMEOUT = 60 + 4 * RECONCILE_AFTER
 # --event-faults: how the event stream is broken (see the module docstring)
@@ -448,7 +462,8 @@ def enqueue(
 
 def empty(engine: sa.Engine) -> None:
     with engine.begin() as conn:
-        for table in (attempts, messages, relays, events, suppressions, operator_actions):
+        tables = (attempts, messages, relays, events, suppressions, operator_actions, intakes)
+        for table in tables:
             conn.execute(table.delete())
 
 
@@ -458,8 +473,9 @@ class Trickle:
     Its events are what proves the intake flows past each ambiguous attempt's window; without
     them the last ambiguous sends of a run would rightly never be requeued."""
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, interval: float = TICK_INTERVAL) -> None:
         self._Sessions = sessionmaker(engine)
+        self.interval = interval
         self._stopping = threading.Event()
         self.ids: dict[int, str] = {}
         self.errors: list[str] = []
@@ -475,7 +491,7 @@ class Trickle:
 
     def _run(self) -> None:
         n = 0
-        while not self._stopping.wait(0 if n == 0 else TICK_INTERVAL):
+        while not self._stopping.wait(0 if n == 0 else self.interval):
             n += 1
             try:
                 with self._Sessions.begin() as session:
@@ -1257,6 +1273,7 @@ def await_truth(
     categories: dict[int, str],
     summary: Summary,
     total: int,
+    tick_interval: float = TICK_INTERVAL,
 ) -> None:
     """After the chaos: the faults end, the trickle runs, and the harness waits until the
     intake and the reconcile sweeps owe nothing (:func:`owed`), then for the trickle's own mail
@@ -1271,7 +1288,7 @@ def await_truth(
             time.sleep(POLL * 4)
         return left
 
-    with Trickle(engine) as trickle:
+    with Trickle(engine, tick_interval) as trickle:
         left = settle(began + TRUTH_TIMEOUT, drained=False)
     categories.update(trickle.ids)
     summary.ticks = len(trickle.ids)
@@ -1677,14 +1694,16 @@ def reconcile_events(
         summary.dead_letters = queue.counts()["dead"]
         if summary.dead_letters:
             summary.problems.append(f"{summary.dead_letters} events on the dead-letter queue")
-    delivery_published = {r.outbox_id for r in published if r.kind == "delivery"}
+    # a row's delivery status follows the send it is sent as (its provider id); the events of
+    # another send of it (resend mail sent twice) are recorded as a duplicate send, only
+    delivery_published = {(r.outbox_id, r.message_id) for r in published if r.kind == "delivery"}
 
     for id_, row in rows.items():
         category, mine = categories[id_], tries[id_]
         if row.status == "sent":
             if row.delivery_status == "delivered":
                 summary.delivered_status += 1
-            elif id_ in delivery_published:
+            elif (id_, row.provider_message_id) in delivery_published:
                 problem(id_, f"its Delivery event was published, delivery {row.delivery_status}")
         requeues = [a for a in mine if a.outcome == "reconcile:requeued"]
         summary.requeued += len(requeues)
@@ -1799,6 +1818,7 @@ def run(
     sender: str = "ses",
     events: str | None = None,
     event_faults: bool = False,
+    tick_interval: float = TICK_INTERVAL,
 ) -> Summary:
     """One ledger run. ``restart_command`` restarts the database server (``db_restart`` needs
     it; ``combined`` runs without a restart, and says so, when it is None). ``sender``:
@@ -1910,7 +1930,7 @@ def run(
                 )
                 summary.runtime = time.monotonic() - started
                 if queue is not None:
-                    await_truth(engine, ses, queue, categories, summary, count)
+                    await_truth(engine, ses, queue, categories, summary, count, tick_interval)
                 fleet.stop_all(summary, engine)
             finally:
                 fleet.kill_all()
@@ -1968,6 +1988,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="events late, duplicated, out of order, and those of some answered sends lost",
     )
+    parser.add_argument(
+        "--tick-interval",
+        type=float,
+        default=TICK_INTERVAL,
+        help="seconds between two messages of the trickle after the chaos",
+    )
     options = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ledger-") as workdir:
         summary = run(
@@ -1982,6 +2008,7 @@ def main(argv: list[str] | None = None) -> int:
             sender=options.sender,
             events=options.events,
             event_faults=options.event_faults,
+            tick_interval=options.tick_interval,
         )
     print(summary.line())
     for problem in summary.problems[:50]:
