@@ -15,8 +15,10 @@ What one event does (:func:`apply_events`), in the transaction that records it:
    another deployment's (or forged): unmatched, it changes nothing.
 3. A matched event proves SES took one of the row's sends: an ``unknown_outcome``,
    ``pending`` or ``retrying`` row becomes ``sent`` (never sent again), with an attempt row
-   ``reconciled``. A row being sent (``processing``) is never touched: the event is recorded
-   only. A ``sent`` row with another SES message id was sent twice (``duplicate_send``).
+   ``reconciled``. A row being sent (``processing``) is not touched then: the event is
+   recorded ``deferred`` and applied by a later pass once the relay saved what its call
+   returned (:func:`apply_deferred`). A ``sent`` row with another SES message id was sent
+   twice (``duplicate_send``).
 4. ``delivery_status`` only moves up in rank (:attr:`DeliveryStatus.rank`), so events in any
    order converge; permanent bounces and complaints add their addresses to
    ``outbox_suppressions`` unless they are there, but only the addresses the matched row
@@ -40,6 +42,7 @@ import enum
 import logging
 import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -49,7 +52,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from outbox.exceptions import ConfigurationError
 from outbox.schema import (
@@ -61,6 +64,7 @@ from outbox.schema import (
     SuppressionReason,
     attempts,
     events,
+    intakes,
     messages,
     suppressions,
 )
@@ -70,12 +74,15 @@ from relay.events import SesEvent, parse
 
 __all__ = [
     "ACTOR",
+    "DEFERRED_BATCH",
+    "DEFERRED_INTERVAL",
     "MAX_MESSAGES",
     "Applied",
     "Effect",
     "Intake",
     "QueueInfo",
     "announce",
+    "apply_deferred",
     "apply_events",
     "build_client",
     "find_by_provider_id",
@@ -83,6 +90,7 @@ __all__ = [
     "insert_event",
     "raise_delivery_status",
     "recipients_of",
+    "record_intake",
     "record_reconciled_attempt",
     "resolve_sent",
     "set_event_effect",
@@ -102,7 +110,8 @@ class Effect(enum.StrEnum):
 
     RESOLVED = "resolved"  # it proved SES took a send: the row became sent
     STATUS = "status"  # the row's delivery_status moved up
-    RECORDED = "recorded"  # matched; nothing to change (or the row is being sent)
+    RECORDED = "recorded"  # matched; nothing to change
+    DEFERRED = "deferred"  # the row was being sent: applied once its relay saved the send
     DUPLICATE_SEND = "duplicate_send"  # the row is sent under another SES message id
     UNMATCHED = "unmatched"  # no row of ours (another app's, a pruned row, a forged tag)
     MALFORMED = "malformed"  # not an SES event: left on the queue for its dead-letter queue
@@ -112,6 +121,10 @@ class Effect(enum.StrEnum):
 
 _RESOLVABLE = (Status.UNKNOWN_OUTCOME.value, Status.PENDING.value, Status.RETRYING.value)
 _KEPT = frozenset({Effect.MALFORMED, Effect.REFUSED})  # left on the queue
+# no signal: nothing changed, or not yet (a deferred event is announced once it is applied)
+_SILENT = frozenset({Effect.DUPLICATE, Effect.REFUSED, Effect.DEFERRED})
+DEFERRED_BATCH = 100  # deferred events applied per intake pass, oldest first
+DEFERRED_INTERVAL = 5.0  # seconds: while batches keep coming, the deferred pass's least gap
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -465,11 +478,9 @@ def _settle(
                 return Effect.STATUS, False
             return Effect.RECORDED, False
         elif row.status == Status.PROCESSING.value:
-            _log.info(
-                "the message is being sent: event recorded, row left to its relay",
-                extra={"action": "event_recorded", "message_id": row.id},
-            )
-            return Effect.RECORDED, False
+            # its relay holds the row and will save what its call returned: the event is
+            # applied once it has (apply_deferred), over whatever that was
+            return Effect.DEFERRED, False
         else:
             _log.warning(
                 "an event shows SES took a send of a %s message: recorded, row left as it is",
@@ -586,6 +597,145 @@ def apply_events(
     return [results[i] for i in range(len(batch))]
 
 
+# -- deferred events ----------------------------------------------------------------------
+
+_e = events
+_DEFERRED_COLUMNS = (  # the event's own id and SES message id under names of their own
+    _e.c.id.label("event_id"),
+    _e.c.event_key,
+    _e.c.source,
+    _e.c.event_type,
+    _e.c.event_at,
+    _e.c.mail_at,
+    _e.c.provider_message_id.label("event_provider_id"),
+    _e.c.tagged_message_id,
+    _e.c.claim_token,
+    _e.c.detail,
+    _e.c.recipients,
+    *_ROW_COLUMNS,
+)
+
+
+def _status_of(kind: EventType, detail: str | None) -> DeliveryStatus | None:
+    """What a recorded event means for its row's delivery status: the parser's reading
+    (:mod:`relay.events`), from the type and detail it stored."""
+    if kind is EventType.BOUNCE:
+        suppressed = detail in ("Permanent/Suppressed", "Permanent/OnAccountSuppressionList")
+        return DeliveryStatus.SUPPRESSED if suppressed else DeliveryStatus.BOUNCED
+    if kind is EventType.COMPLAINT:
+        if detail == "OnAccountSuppressionList":
+            return DeliveryStatus.SUPPRESSED
+        return DeliveryStatus.COMPLAINED
+    return _STATUS_OF_TYPE.get(kind)
+
+
+_STATUS_OF_TYPE = {
+    EventType.DELIVERY: DeliveryStatus.DELIVERED,
+    EventType.DELIVERY_DELAY: DeliveryStatus.DELAYED,
+    EventType.REJECT: DeliveryStatus.REJECTED,
+    EventType.RENDERING_FAILURE: DeliveryStatus.REJECTED,
+}
+
+
+def _recorded_event(found: Any) -> SesEvent | None:
+    """The event as the intake parsed it, from its ``outbox_events`` row (its suppressions
+    were made when it arrived: none again)."""
+    try:
+        kind = EventType(found.event_type)
+    except ValueError:
+        return None
+    return SesEvent(
+        key=str(found.event_key),
+        source=str(found.source),
+        type=kind,
+        event_at=found.event_at,
+        mail_at=found.mail_at,
+        provider_message_id=found.event_provider_id,
+        tagged_message_id=found.tagged_message_id,
+        claim_token=found.claim_token,
+        detail=found.detail,
+        recipients=tuple(a for a in (found.recipients or "").split(", ") if a),
+        suppress=(),
+        delivery_status=_status_of(kind, found.detail),
+        error=None,
+    )
+
+
+def _take_deferred(conn: sa.Connection, event_id: int) -> bool:
+    """Take a deferred event for this transaction: of two replicas applying it at once, the
+    second one's UPDATE waits for the first one's commit and then matches nothing."""
+    stmt = (
+        sa.update(_e)
+        .where(_e.c.id == event_id, _e.c.effect == Effect.DEFERRED.value)
+        .values(effect=Effect.RECORDED.value)
+    )
+    return bool(conn.execute(stmt).rowcount == 1)
+
+
+def _apply_deferred_one(
+    conn: sa.Connection, found: Any, now: datetime, actor: str
+) -> Applied | None:
+    event = _recorded_event(found)
+    row = _as_row(found)
+    event_id = int(found.event_id)
+    if event is None or row is None or not _take_deferred(conn, event_id):
+        return None
+    effect, resolved = _settle(conn, event, row, now, actor)
+    if effect is not Effect.RECORDED:
+        set_event_effect(conn, event_id=event_id, effect=effect)
+    return Applied(
+        event=event,
+        effect=effect,
+        event_id=event_id,
+        message_id=row.id,
+        category=row.category,
+        resolved=resolved,
+    )
+
+
+def apply_deferred(
+    conn: sa.Connection, *, now: datetime, actor: str = ACTOR, limit: int = DEFERRED_BATCH
+) -> list[Applied]:
+    """apply_deferred -- Apply, in the caller's transaction, up to ``limit`` events recorded
+    ``deferred`` (they came while their row was being sent) whose row is no longer being
+    sent, oldest first: the same effects as on arrival, once the relay saved what its call
+    returned. A Send or Delivery that came while the call was still waiting resolves the
+    row the call left unknown_outcome (or retrying); a bounce that beat the relay's save sets
+    the sent row's delivery status; the first attempt's event that came during a requeued
+    send shows the row sent twice (``duplicate_send``). Each event's effect replaces
+    ``deferred`` once, whichever replica applies it; one whose row is taken again before its
+    UPDATE stays deferred for the next pass."""
+    stmt = (
+        sa.select(*_DEFERRED_COLUMNS)
+        .join(_m, _m.c.id == _e.c.message_id)
+        .where(_e.c.effect == Effect.DEFERRED.value, _m.c.status != Status.PROCESSING.value)
+        .order_by(_e.c.received_at, _e.c.id)
+        .limit(limit)
+    )
+    done: list[Applied] = []
+    isolate = conn.dialect.name != "sqlite"
+    for found in conn.execute(stmt).all():
+        if not isolate:
+            applied = _apply_deferred_one(conn, found, now, actor)
+        else:
+            try:
+                with conn.begin_nested():
+                    applied = _apply_deferred_one(conn, found, now, actor)
+            except sa.exc.DBAPIError as exc:
+                if _is_outage(exc):
+                    raise
+                _log.error(
+                    "the database refused a deferred event's effect; left deferred: %s",
+                    getattr(exc, "orig", None) or exc,
+                    extra={"action": "event_refused", "event_id": found.event_id},
+                )
+                continue
+        if applied is not None:
+            done.append(applied)
+            _log_applied(applied)
+    return done
+
+
 def _log_applied(applied: Applied) -> None:
     event = applied.event
     extra = {
@@ -606,6 +756,11 @@ def _log_applied(applied: Applied) -> None:
         _log.info("an event proved SES took the send: sent", extra=extra)
     elif applied.effect is Effect.UNMATCHED:
         _log.info("no message of ours: recorded", extra=extra)
+    elif applied.effect is Effect.DEFERRED:
+        _log.info(
+            "the message is being sent: event deferred until its relay saved the send",
+            extra=extra,
+        )
     elif applied.effect is Effect.RECORDED and applied.message_id is not None:
         _log.debug("recorded", extra=extra)
     for address in applied.suppressed:
@@ -619,7 +774,7 @@ def announce(sender: object, batch: Iterable[Applied]) -> None:
     """Send the intake's signals for ``batch`` (after it committed), from ``sender``: a
     receiver that raises is logged, the others still hear."""
     for applied in batch:
-        if applied.message_id is None or applied.effect in (Effect.DUPLICATE, Effect.REFUSED):
+        if applied.message_id is None or applied.effect in _SILENT:
             continue
         event = applied.event
         common = {
@@ -650,6 +805,87 @@ def _send(signal: Any, sender: object, **kw: Any) -> None:
         signal.send(sender, **kw)
     except Exception:
         _log.exception("a receiver of %s failed", signal.name, extra={"action": "signal_error"})
+
+
+# -- the replicas' view of the queue ---------------------------------------------------------
+
+
+def record_intake(
+    conn: sa.Connection,
+    *,
+    intake_id: str,
+    queue_url: str,
+    visibility_timeout: float,
+    started_at: datetime,
+    now: datetime,
+    caught_up: bool,
+) -> None:
+    """record_intake -- This replica's ``outbox_intakes`` row: alive at ``now`` (the
+    database's clock), and with ``caught_up`` its queue found empty then. One upsert per
+    dialect (``ON CONFLICT DO UPDATE``, MariaDB's ``ON DUPLICATE KEY UPDATE``), each column
+    conditional: the process that started last owns the row (a write of an older one with
+    the same id changes nothing), a new process starts with its own proof (none until its
+    first empty receive), and ``heartbeat_at`` and ``caught_up_at`` never move back."""
+    t = intakes.c
+    values = {
+        "intake_id": intake_id,
+        "queue_url": queue_url,
+        "visibility_timeout": float(visibility_timeout),
+        "started_at": started_at,
+        "heartbeat_at": now,
+        "caught_up_at": now if caught_up else None,
+    }
+    name = conn.dialect.name
+    stmt: Any
+    if name in ("mysql", "mariadb"):
+        stmt = mysql.insert(intakes).values(values)
+        new = stmt.inserted
+    else:
+        stmt = (postgresql.insert if name == "postgresql" else sqlite.insert)(intakes).values(
+            values
+        )
+        new = stmt.excluded
+    newer, same, older = (
+        new.started_at > t.started_at,
+        new.started_at == t.started_at,
+        new.started_at < t.started_at,
+    )
+    caught_up_at = sa.case(
+        (newer, new.caught_up_at),
+        (older, t.caught_up_at),
+        (new.caught_up_at.is_(None), t.caught_up_at),
+        (t.caught_up_at.is_(None), new.caught_up_at),
+        (new.caught_up_at > t.caught_up_at, new.caught_up_at),
+        else_=t.caught_up_at,
+    )
+    heartbeat_at = sa.case(
+        (newer, new.heartbeat_at),
+        (sa.and_(same, new.heartbeat_at > t.heartbeat_at), new.heartbeat_at),
+        else_=t.heartbeat_at,
+    )
+    owned = sa.or_(newer, same)
+    # in this order: MariaDB assigns left to right, each later expression reading the row as
+    # the earlier ones left it, so started_at (which the others compare with) is set last
+    updates = [
+        ("caught_up_at", caught_up_at),
+        ("heartbeat_at", heartbeat_at),
+        ("queue_url", sa.case((owned, new.queue_url), else_=t.queue_url)),
+        (
+            "visibility_timeout",
+            sa.case((owned, new.visibility_timeout), else_=t.visibility_timeout),
+        ),
+        ("started_at", sa.case((newer, new.started_at), else_=t.started_at)),
+    ]
+    if name in ("mysql", "mariadb"):
+        stmt = stmt.on_duplicate_key_update(updates)
+    else:
+        stmt = stmt.on_conflict_do_update(index_elements=[t.intake_id], set_=dict(updates))
+    conn.execute(stmt)
+
+
+def default_intake_id() -> str:
+    """An ``outbox-relay events`` process's id in ``outbox_intakes``: its host and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 # -- the SQS loop --------------------------------------------------------------------------
@@ -716,9 +952,13 @@ class Intake:
     ``exit_when_idle``, until a receive comes back empty). Any number of replicas may share a
     queue and a database.
 
-    ``client`` is a boto3 SQS client (:func:`build_client`); ``clock`` replaces the database's
-    clock (tests that set ``received_at`` by hand). Counters for the metrics: :attr:`counts`
-    (``(type, effect)``: events), :attr:`errors` (``sqs``, ``database``)."""
+    ``client`` is a boto3 SQS client (:func:`build_client`). ``intake_id`` names the
+    replica's ``outbox_intakes`` row (the relay's id when it runs in a relay; by default the
+    host and pid): each pass writes its heartbeat there, and ``caught_up_at`` when a long
+    poll found the queue empty (see :meth:`step`); nothing is written before the queue's
+    visibility timeout is known (:meth:`check_queue`). Counters for the metrics:
+    :attr:`counts` (``(type, effect)``: events, a deferred one counted again with the effect
+    it had once applied), :attr:`errors` (``sqs``, ``database``)."""
 
     def __init__(
         self,
@@ -730,8 +970,10 @@ class Intake:
         exit_when_idle: bool = False,
         actor: str = ACTOR,
         rng: random.Random | None = None,
+        intake_id: str | None = None,
     ) -> None:
         self.engine = engine
+        self.intake_id = intake_id if intake_id is not None else default_intake_id()
         self.client = client
         self.queue_url = queue_url
         self.wait_seconds = wait_seconds
@@ -745,6 +987,12 @@ class Intake:
         self.errors: collections.Counter[str] = collections.Counter()
         self.loop_at: float | None = None  # monotonic time of the loop's last pass
         self.waiting_at: float | None = None
+        self.started_at: datetime | None = None  # the database's clock at the first heartbeat
+        # monotonic time since which every message SQS handed this process was applied (or
+        # left on the queue as not an event); until a visibility timeout after it, messages
+        # this process (or the one before it under this id) took may still be hidden in SQS
+        self._settled_since = time.monotonic()
+        self._deferred_at = -float("inf")  # monotonic time of the last deferred pass
 
     def request_stop(self) -> None:
         """Stop after the batch in hand (a long poll in progress ends within
@@ -850,22 +1098,55 @@ class Intake:
 
     def step(self) -> int:
         """One pass: receive up to :data:`MAX_MESSAGES` (long poll), apply them in one
-        transaction, commit, delete the ones whose effect committed, send the signals. The
-        number received. An SQS error on the receive or a database error raises, and nothing
-        is deleted; a failed delete only means those messages come again (and are then
-        duplicates)."""
-        answer = self.client.receive_message(
-            QueueUrl=self.queue_url,
-            MaxNumberOfMessages=MAX_MESSAGES,
-            WaitTimeSeconds=self.wait_seconds,
-        )
+        transaction, commit, delete the ones whose effect committed, send the signals; then
+        apply the deferred events whose row is no longer being sent (:func:`apply_deferred`,
+        its own transaction). The number received. An SQS error on the receive or a database
+        error raises, and nothing is deleted; a failed delete only means those messages come
+        again (and are then duplicates).
+
+        The replica's ``outbox_intakes`` row gets its heartbeat each pass and, after a long
+        poll (``wait_seconds`` >= 1: a short poll samples only some of SQS's servers) that
+        returned nothing, ``caught_up_at``: the database's clock right after it, so no event
+        was visible in the queue until then. Not while messages this process was handed may
+        still be hidden unapplied (a failed batch, an event the database refused, a receive
+        whose answer was lost, the process's start): until the queue's visibility timeout
+        has passed since."""
+        try:
+            answer = self.client.receive_message(
+                QueueUrl=self.queue_url,
+                MaxNumberOfMessages=MAX_MESSAGES,
+                WaitTimeSeconds=self.wait_seconds,
+            )
+        except BaseException:
+            self._unsettled()  # SQS may have handed out messages on the lost answer
+            raise
         received = answer.get("Messages") or []
-        if not received:
-            return 0
-        parsed = [parse(str(m.get("Body", ""))) for m in received]
+        if received:
+            self._apply_received(received)
+        else:
+            self._beat(caught_up=self._caught_up())
+        if received and time.monotonic() - self._deferred_at < DEFERRED_INTERVAL:
+            return len(received)  # busy: the deferred events wait a few seconds more
+        self._deferred_at = time.monotonic()
         with self.engine.begin() as conn:
-            now = read_database_time(conn)
-            applied = apply_events(conn, parsed, now=now, actor=self.actor)
+            deferred = apply_deferred(conn, now=read_database_time(conn), actor=self.actor)
+        for result in deferred:
+            self.counts[(result.event.type.value, result.effect.value)] += 1
+        announce(self, deferred)
+        return len(received)
+
+    def _apply_received(self, received: list[dict[str, Any]]) -> None:
+        parsed = [parse(str(m.get("Body", ""))) for m in received]
+        try:
+            with self.engine.begin() as conn:
+                now = read_database_time(conn)
+                applied = apply_events(conn, parsed, now=now, actor=self.actor)
+                self._record(conn, now, caught_up=False)
+        except BaseException:
+            self._unsettled()
+            raise
+        if any(result.effect is Effect.REFUSED for result in applied):
+            self._unsettled()
         for result in applied:
             self.counts[(result.event.type.value, result.effect.value)] += 1
         self._delete(
@@ -876,7 +1157,39 @@ class Intake:
             ]
         )
         announce(self, applied)
-        return len(received)
+
+    def _unsettled(self) -> None:
+        self._settled_since = time.monotonic()
+
+    def _caught_up(self) -> bool:
+        """Whether an empty receive just now proves the queue held no event this replica
+        could see: a long poll, and nothing handed to this process may still be hidden."""
+        visibility = None if self.queue is None else self.queue.visibility_timeout
+        return (
+            self.wait_seconds >= 1
+            and visibility is not None
+            and time.monotonic() - self._settled_since >= visibility
+        )
+
+    def _beat(self, *, caught_up: bool) -> None:
+        with self.engine.begin() as conn:
+            self._record(conn, read_database_time(conn), caught_up=caught_up)
+
+    def _record(self, conn: sa.Connection, now: datetime, *, caught_up: bool) -> None:
+        visibility = None if self.queue is None else self.queue.visibility_timeout
+        if visibility is None:
+            return  # check_queue has not read it: the row would prove nothing
+        if self.started_at is None:
+            self.started_at = now
+        record_intake(
+            conn,
+            intake_id=self.intake_id,
+            queue_url=self.queue_url,
+            visibility_timeout=visibility,
+            started_at=self.started_at,
+            now=now,
+            caught_up=caught_up,
+        )
 
     def _delete(self, handles: list[str]) -> None:
         from botocore.exceptions import BotoCoreError, ClientError

@@ -24,7 +24,7 @@ from outbox.schema import events, intakes, messages
 from relay import store
 from relay.clock import read_database_time
 from relay.events import parse
-from relay.intake import MAX_MESSAGES, Effect, Intake, apply_events
+from relay.intake import MAX_MESSAGES, Effect, Intake, apply_deferred, apply_events
 from relay.senders import Accepted, Ambiguous, OutgoingMessage
 from relay.senders.ses import build_request
 from relay.testing import FakeSender
@@ -63,6 +63,12 @@ def apply(backend, body: str, *, now: datetime) -> Effect:
     with backend.engine.begin() as conn:
         (done,) = apply_events(conn, [parse(body)], now=now)
     return done.effect
+
+
+def intake_pass(backend) -> list[Effect]:
+    """An intake pass after the relay saved its send: the deferred events' effects."""
+    with backend.engine.begin() as conn:
+        return [a.effect for a in apply_deferred(conn, now=read_database_time(conn))]
 
 
 def reconcile(backend) -> list[int]:
@@ -232,11 +238,6 @@ def test_a_relay_clock_behind_the_database_cannot_requeue_early(backend):
     assert row(backend.engine, mid).status == "unknown_outcome"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: the first attempt's event arrives while the requeued send is in flight "
-    "(processing: recorded only) and nothing ever says the message went out twice",
-)
 def test_a_second_send_after_a_requeue_is_reported_as_a_duplicate(backend):
     (mid,) = held(backend)
     first = attempt_rows(backend.engine, mid)[-1]
@@ -255,9 +256,12 @@ def test_a_second_send_after_a_requeue_is_reported_as_a_duplicate(backend):
             claim_token=first.claim_token,
             mail_at=first.started_at,
         )
-        apply(backend, sns_body(late), now=past_window(backend, mid, 30))
+        assert apply(backend, sns_body(late), now=past_window(backend, mid, 30)) is (
+            Effect.DEFERRED
+        )
         gate.set()
         settle(relay)
+    assert intake_pass(backend) == [Effect.DUPLICATE_SEND]
     after = row(backend.engine, mid)
     assert after.status == "sent"
     assert after.provider_message_id != "ses-first"  # SES took two sends of the message
@@ -268,12 +272,6 @@ def test_a_second_send_after_a_requeue_is_reported_as_a_duplicate(backend):
     assert "duplicate_send" in effects  # was: ["recorded"]: the double send is never reported
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: the Send event of an attempt arrives while its call is still waiting for "
-    "SES's answer (processing: recorded only); the call then times out, the row is held "
-    "unknown_outcome, and the event that proves the send never resolves it",
-)
 @pytest.mark.parametrize("category", ["default", "receipts"])
 def test_an_event_that_came_during_the_send_resolves_its_ambiguous_outcome(backend, category):
     (mid,) = enqueue(backend.engine, 1, outbox=OUTBOX, category=category)
@@ -291,9 +289,10 @@ def test_an_event_that_came_during_the_send_resolves_its_ambiguous_outcome(backe
             claim_token=claimed.claim_token,
             mail_at=claimed.send_started_at,
         )
-        assert apply(backend, sns_body(event), now=claimed.send_started_at) is Effect.RECORDED
+        assert apply(backend, sns_body(event), now=claimed.send_started_at) is Effect.DEFERRED
         gate.set()  # ... and then the read times out
         settle(relay)
+    assert intake_pass(backend) == [Effect.RESOLVED]
     reconcile(backend)  # a sweep, at the latest, could settle it from the recorded event
     after = row(backend.engine, mid)
     assert (after.status, after.provider_message_id) == ("sent", "ses-took-it")

@@ -154,13 +154,16 @@ def test_a_row_being_sent_is_never_touched(backend: Backend, caplog):
         engine,
         sns_body(ses_event("delivery", provider_id="ses-3", message_id=mid, claim_token=token)),
     )
-    assert done.effect is Effect.RECORDED
+    assert done.effect is Effect.DEFERRED
     assert not done.resolved
     after = everything(engine)
     assert after["messages"] == before["messages"]
     assert after["attempts"] == before["attempts"]
-    assert [r.effect for r in event_rows(engine)] == ["recorded"]
+    assert [r.effect for r in event_rows(engine)] == ["deferred"]
     assert "being sent" in caplog.text
+    with engine.begin() as conn:  # its relay still holds it: a pass leaves it deferred
+        assert intake.apply_deferred(conn, now=NOW) == []
+    assert [r.effect for r in event_rows(engine)] == ["deferred"]
 
 
 # -- delivery status ----------------------------------------------------------------------

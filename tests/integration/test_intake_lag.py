@@ -47,6 +47,7 @@ def test_an_event_stamped_within_the_tolerance_counts_and_one_beyond_it_does_not
     receive(backend, at=now + timedelta(seconds=FUTURE_TOLERANCE_SECONDS - 20), now=now)
     assert lag(backend) == 0.0
 
+
 def test_forged_events_alone_leave_no_lag_rather_than_none(backend: Backend) -> None:
     """With only future-stamped events received, nothing says how far behind the intake is:
     no reading, never a lag of zero."""
