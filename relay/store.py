@@ -49,6 +49,7 @@ from outbox.schema import (
     suppressions,
 )
 from outbox.schema import metadata as _outbox_metadata
+from relay.clock import read_database_time
 from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
 from relay.ratelimit import Booking, merged
 
@@ -82,6 +83,7 @@ __all__ = [
     "list_messages",
     "lock_send_budget",
     "mark_send_started",
+    "mark_send_started_at",
     "message_ids",
     "missing_tables",
     "prune_batch",
@@ -399,9 +401,56 @@ def mark_send_started(
 
     Only rows stamped here may be sent: a lease that expires while ``send_started_at`` is
     NULL is provably unsent, and the sweep returns it without consuming an attempt. Returns
-    the ids stamped (all of them, unless a lease was already lost).
+    the ids stamped (all of them, unless a lease was already lost). The stamp is
+    :func:`mark_send_started_at`'s.
     """
-    return _stamp_wave(conn, ids, claim_token, _m.c.send_started_at, now)
+    return mark_send_started_at(conn, ids=ids, claim_token=claim_token, now=now)[0]
+
+
+def mark_send_started_at(
+    conn: sa.Connection, *, ids: Sequence[int], claim_token: str, now: datetime
+) -> tuple[set[int], datetime]:
+    """mark_send_started -- :func:`mark_send_started`, returning the stamp with the ids.
+
+    The stamp is the later of ``now`` (the relay's estimate of the database's clock) and the
+    database's own clock, read in the wave's transaction at the mark: on PostgreSQL by the
+    UPDATE itself (``statement_timestamp()``, one reading for the wave) which returns it; on
+    MariaDB by one query just before it (``UTC_TIMESTAMP(6)``); on SQLite the host's clock,
+    in-process. ``send_started_at`` starts the reconcile policy's window, and an estimate
+    that runs behind (an anchor taken before a host suspend, which stops the monotonic
+    clock; a database clock stepped since the sample) would start it early by the skew and
+    let the sweep requeue a send whose Send event is still on its way. The database's
+    reading is taken before the COMMIT that lets the send begin, so it is never later than
+    the send; a relay clock ahead of the database only starts the window late. The caller
+    records the stamp as the attempt's ``started_at``, so the attempt row and the row name
+    the same start.
+    """
+    if not ids:
+        return set(), now
+    if conn.dialect.name == "postgresql":  # the same clock, read by the UPDATE itself
+        params = {"w_ids": list(ids), "w_token": claim_token, "w_value": now}
+        rows = conn.execute(_MARK_PG, params).all()
+        return {row.id for row in rows}, rows[0].send_started_at if rows else now
+    stamp = max(now, read_database_time(conn))
+    return _stamp_wave(conn, ids, claim_token, _m.c.send_started_at, stamp), stamp
+
+
+# statement_timestamp(): one reading for the whole wave (clock_timestamp() moves row by row)
+_MARK_PG = (
+    sa.update(_m)
+    .where(
+        _id_among("w_ids", True),
+        _m.c.claim_token == sa.bindparam("w_token", type_=_m.c.claim_token.type),
+        _m.c.status == Status.PROCESSING.value,
+    )
+    .values(
+        send_started_at=sa.func.greatest(
+            sa.bindparam("w_value", type_=UTCDateTime()),
+            sa.func.statement_timestamp(type_=UTCDateTime()),
+        )
+    )
+    .returning(_m.c.id, _m.c.send_started_at)
+)
 
 
 def extend_lease(

@@ -362,7 +362,8 @@ class Relay:
         claims: list[store.Claim] = []
         expired: list[store.Expired] = []
         wave: list[tuple[_Ready, Slot | None]] = []
-        marked: set[tuple[int, str]] = set()  # (id, claim token): an id may be in _ready twice
+        # (id, claim token) -> the send's start (send_started_at): an id may be in _ready twice
+        marked: dict[tuple[int, str], datetime] = {}
         ready_before = len(self._ready)
         admitted = 0
         barred: list[_Done] = []
@@ -386,8 +387,10 @@ class Relay:
                 wave, barred = self._screen(conn, wave, now)
                 barred_applied = self._save(conn, barred, now)
                 for token, ids in _by_token(r.claim for r, _ in wave).items():
-                    stamped = store.mark_send_started(conn, ids=ids, claim_token=token, now=now)
-                    marked.update((id_, token) for id_ in stamped)
+                    stamped, at = store.mark_send_started_at(
+                        conn, ids=ids, claim_token=token, now=now
+                    )
+                    marked.update(((id_, token), at) for id_ in stamped)
         except sa.exc.DBAPIError as exc:
             if _is_outage(exc):
                 # The commit may have applied unseen: what was claimed stays queued, to be
@@ -650,14 +653,16 @@ class Relay:
     def _start(
         self,
         wave: list[tuple[_Ready, Slot | None]],
-        marked: set[tuple[int, str]],
+        marked: dict[tuple[int, str], datetime],
         now: datetime,
     ) -> None:
         """Hand each marked message of the wave to a send thread. After a failed exchange the
-        same id can be queued under two claims; only the one whose mark applied is sent."""
+        same id can be queued under two claims; only the one whose mark applied is sent. Its
+        attempt starts at its ``send_started_at``."""
         for ready, slot in wave:
             claim = ready.claim
-            if (claim.id, claim.claim_token) not in marked:
+            started_at = marked.get((claim.id, claim.claim_token))
+            if started_at is None:
                 _log.warning(
                     "lease lost before the send started; not sending",
                     extra={"action": "lease_lost", "message_id": claim.id},
@@ -678,7 +683,7 @@ class Relay:
             future = self._pool.submit(self._send, message, slot, lease_ends)
             self._in_flight[(claim.id, claim.claim_token)] = _InFlight(
                 claim=claim,
-                started_at=now,
+                started_at=started_at,
                 future=future,
                 deadline=started + self.config.send_timeout,
                 probe=ready.probe,

@@ -209,13 +209,6 @@ def test_a_send_ses_confirmed_after_the_sweep_is_never_requeued(backend):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: the window starts at send_started_at, written from the relay's own "
-    "estimate of the database's clock; a relay whose estimate runs behind (a stale anchor "
-    "after a suspend, a database clock stepped since the sample) shrinks the window by its "
-    "skew on both of the proof's clocks",
-)
 def test_a_relay_clock_behind_the_database_cannot_requeue_early(backend):
     with backend.engine.connect() as conn:
         db_now = read_database_time(conn)
