@@ -49,7 +49,11 @@ name                                type      labels               what
                                                                    queue: effect as stored
                                                                    (resolved, status, recorded,
                                                                    duplicate_send, unmatched,
-                                                                   malformed), or duplicate, refused
+                                                                   malformed, deferred), or
+                                                                   duplicate, refused; a deferred
+                                                                   event (its row was being sent)
+                                                                   is counted again with the effect
+                                                                   it had once applied
 ``outbox_event_intake_errors_total`` counter  kind                 failed passes and deletes: sqs,
                                                                    database
 ``outbox_event_intake_lag_seconds`` gauge                          the database's now minus the
