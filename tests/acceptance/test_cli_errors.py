@@ -27,6 +27,9 @@ COMMAND_ARGS = {
     "requeue": ["1"],
     "cancel": ["1"],
     "prune": ["--older-than", "30d"],
+    "resolve": ["1", "--delivered"],
+    "suppressions": ["list"],
+    "events": ["--events-queue-url", "http://127.0.0.1:9/000000000000/q", "--exit-when-idle"],
 }
 ADMIN = [name for name in COMMAND_ARGS if name not in ("run", "migrate")]
 # Blocks one driver's import, as if it were not installed (it is, for the other tests).
@@ -169,7 +172,10 @@ def test_a_database_without_the_schema_names_migrate(empty_url):
         assert "has no outbox schema" in line, command
         assert "run `outbox-relay migrate --database-url ...` with the same URL first" in line
     line = refusal(cli("run", empty_url))  # the relay refuses at once, before any send
-    assert "lacks the outbox tables outbox_attempts, outbox_events, outbox_messages" in line
+    assert (
+        "lacks the outbox tables outbox_attempts, outbox_events, outbox_intakes, outbox_messages"
+        in line
+    )
     assert "outbox-relay migrate --database-url" in line
 
 
