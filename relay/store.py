@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import uuid
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,7 @@ from sqlalchemy.sql.dml import ReturningUpdate
 from outbox.migrations import VIEWS
 from outbox.schema import (
     CLAIMABLE,
+    MAX_BACKOFF_SECONDS,
     TERMINAL,
     AmbiguityPolicy,
     AttemptOutcome,
@@ -54,6 +56,7 @@ from relay.policy import Action, Decision, LeaseExpired, MessageState, decide
 from relay.ratelimit import Booking, merged
 
 __all__ = [
+    "MAX_RECONCILE_AFTER",
     "OUTBOX_TABLES",
     "AttemptRecord",
     "Claim",
@@ -108,6 +111,8 @@ __all__ = [
     "sweep_candidates",
     "sweep_expired_leases",
 ]
+
+_log = logging.getLogger("relay")
 
 _m = messages
 _CLAIM_COLUMNS = (
@@ -1104,10 +1109,35 @@ def _plus_seconds(
     return sa.func.strftime("%Y-%m-%d %H:%M:%f", at, modifier)
 
 
+# The longest reconcile window a row may have, as Category allows it (30 days): a row whose
+# reconcile_after is not in (0, this] was edited in the database, and waits for a human.
+MAX_RECONCILE_AFTER = MAX_BACKOFF_SECONDS
+# No timestamp the relay reads for a window is this late (the latest one MariaDB stores is
+# 9999-12-31, and a window added to it overflows): a later one was edited, and proves nothing.
+_FAR = datetime(9000, 1, 1, tzinfo=UTC)
+
+
+def _usable_window() -> sa.ColumnElement[bool]:
+    """The row's window is one the database can add: ``reconcile_after`` in (0, 30 days]
+    (PostgreSQL's NaN compares greater than every number, so ``<=`` refuses it; MariaDB
+    stores no NaN or infinity; SQLite stores NaN as NULL, and infinity fails ``<=``), and a
+    start before :data:`_FAR`. A negative window would end before the send began."""
+    window = _m.c.reconcile_after
+    return sa.and_(
+        window > 0,
+        window <= MAX_RECONCILE_AFTER,
+        _m.c.send_started_at < sa.literal(_FAR, UTCDateTime()),
+    )
+
+
 def _window_end(dialect: str) -> sa.ColumnElement[Any]:
     """``send_started_at + reconcile_after`` seconds, computed by the database (each row has
-    its own window); never earlier than the true end (:func:`_plus_seconds`)."""
-    return _plus_seconds(dialect, _m.c.send_started_at, _m.c.reconcile_after)
+    its own window); never earlier than the true end (:func:`_plus_seconds`). NULL for a
+    window :func:`_usable_window` refuses: inside a CASE, so the database never computes it
+    (a WHERE's conditions run in any order), and one edited row cannot fail the statement
+    that reads every row."""
+    end = _plus_seconds(dialect, _m.c.send_started_at, _m.c.reconcile_after)
+    return sa.case((_usable_window(), end), else_=sa.null())
 
 
 # SQS's longest visibility timeout (12 hours): an outbox_intakes row outside [0, this] is not
@@ -1138,7 +1168,11 @@ def _drained_after(dialect: str, event: sa.FromClause) -> sa.Exists:
     visibility = intake.c.visibility_timeout
     margin = sa.case(
         (
-            sa.and_(visibility >= 0, visibility <= _MAX_VISIBILITY_SECONDS),
+            sa.and_(
+                visibility >= 0,
+                visibility <= _MAX_VISIBILITY_SECONDS,
+                event.c.received_at < sa.literal(_FAR, UTCDateTime()),
+            ),
             _plus_seconds(dialect, event.c.received_at, visibility),
         ),
         else_=sa.null(),
@@ -1187,11 +1221,36 @@ def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
         _m.c.status == Status.UNKNOWN_OUTCOME.value,
         _m.c.reconcile_after.is_not(None),
         _m.c.send_started_at.is_not(None),
+        _usable_window(),
         ~matched,
         ~requeued,
         ~answered,
         flowed,
     ]
+
+
+def _alone(conn: sa.Connection, update: sa.Update, message_id: int, what: str) -> bool:
+    """Run one row's guarded ``update`` on its own: whether it moved the row. A value the
+    database refuses for this row (a data or integrity error: a row edited into something
+    it cannot compute or store) is rolled back alone, in a savepoint where the backend's
+    transaction would not survive it, and logged: the row stays as it is, for a human, and
+    the other rows of the pass are still settled. Anything else (a lost connection, a
+    deadlock, a missing grant) raises, for the caller to retry the pass."""
+    try:
+        if conn.dialect.name == "sqlite":  # a failed statement leaves its transaction usable
+            return bool(conn.execute(update).rowcount == 1)
+        with conn.begin_nested():
+            return bool(conn.execute(update).rowcount == 1)
+    except (sa.exc.DataError, sa.exc.IntegrityError) as exc:
+        if exc.connection_invalidated:
+            raise
+        _log.error(
+            "reconcile: the database refused to %s a row; left for an operator: %s",
+            what,
+            exc.orig if exc.orig is not None else exc,
+            extra={"action": "reconcile_refused", "message_id": message_id},
+        )
+        return False
 
 
 def _requeued_values(now: datetime) -> dict[str, Any]:
@@ -1243,7 +1302,7 @@ def reconcile_unknown(
     for row in rows:
         guard = (_m.c.id == row.id, _m.c.send_started_at == row.send_started_at, *where)
         update = sa.update(_m).where(*guard).values(_requeued_values(now))
-        if conn.execute(update).rowcount != 1:
+        if not _alone(conn, update, row.id, "requeue"):
             continue  # moved by an event, an operator or another relay since the read
         done.append(
             Reconciled(
@@ -1355,7 +1414,7 @@ def resolve_confirmed(
                 updated_at=now,
             )
         )
-        if conn.execute(update).rowcount != 1:
+        if not _alone(conn, update, row.id, "resolve"):
             continue  # moved by an event, an operator or another relay since the read
         confirmed = Confirmed(
             id=row.id, category=row.category, provider_message_id=found.provider_message_id

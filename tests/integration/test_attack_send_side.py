@@ -398,12 +398,6 @@ def test_mail_stored_with_its_own_outbox_attempt_tag_is_still_sent(backend):
 # -- a row edited in the database ---------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: one row whose reconcile_after the database cannot add to a timestamp "
-    "(huge; NaN on PostgreSQL) fails the whole reconcile statement, so no reconcile row is "
-    "ever requeued again",
-)
 @pytest.mark.parametrize("window", [1e300, float("nan")], ids=["huge", "nan"])
 def test_one_unusable_window_does_not_stop_reconciling_the_others(postgres_backend, window):
     backend = postgres_backend

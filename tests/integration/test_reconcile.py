@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -538,3 +538,70 @@ def test_a_hold_row_ses_answered_is_left_to_its_operator(backend):
         now = read_database_time(conn)
         assert store.resolve_confirmed(conn, now=now, relay_id="r1") == []
     assert row(backend.engine, mid).status == "unknown_outcome"
+
+
+# -- a row edited in the database --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"reconcile_after": -WINDOW},  # would end before the send began
+        {"reconcile_after": 0.0},
+        {"reconcile_after": store.MAX_RECONCILE_AFTER + 1},
+        {"reconcile_after": 1e300},  # more than any timestamp can take
+        {"send_started_at": datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)},  # overflows
+    ],
+    ids=["negative", "zero", "over-30-days", "huge", "last-date"],
+)
+def test_a_row_with_an_unusable_window_stays_for_a_human(backend, edit):
+    (mid, edited) = held(backend, count=2)
+    with backend.engine.begin() as conn:
+        conn.execute(sa.update(messages).where(messages.c.id == edited).values(**edit))
+    flowing_past(backend, mid, seconds=40 * 24 * 3600.0)  # past any window of 30 days
+    assert reconcile(backend) == [mid]  # the edited row fails nothing
+    assert row(backend.engine, edited).status == "unknown_outcome"
+
+
+@pytest.mark.parametrize("window", [math.inf, math.nan], ids=["inf", "nan"])
+def test_an_infinite_or_nan_window_stays_for_a_human(postgres_backend, window):
+    """PostgreSQL stores both (NaN compares greater than every number there); MariaDB stores
+    neither, SQLite stores NaN as NULL."""
+    backend = postgres_backend
+    (mid, edited) = held(backend, count=2)
+    with backend.engine.begin() as conn:
+        conn.execute(
+            sa.update(messages).where(messages.c.id == edited).values(reconcile_after=window)
+        )
+    flowing_past(backend, mid, seconds=3600)
+    assert reconcile(backend) == [mid]
+    assert row(backend.engine, edited).status == "unknown_outcome"
+
+
+def test_a_requeue_the_database_refuses_is_rolled_back_alone(server_backend):
+    """One row's requeue fails in the database (here its UPDATE is made to store a priority
+    out of its column's range): that row stays, the pass requeues the others and commits."""
+    backend = server_backend
+    ids = held(backend, count=3)
+    refused = ids[1]
+    flowing_past(backend, ids[-1])
+
+    def refuse(conn, cursor, statement, parameters, context, executemany):
+        values = parameters.values() if isinstance(parameters, dict) else parameters
+        if statement.lstrip().upper().startswith("UPDATE OUTBOX_MESSAGES") and (
+            refused in list(values)
+        ):
+            table = "outbox_messages"
+            statement = f"UPDATE {table} SET priority = 99999999 WHERE id = {refused}"
+            return statement, {} if isinstance(parameters, dict) else ()
+        return statement, parameters
+
+    sa.event.listen(backend.engine, "before_cursor_execute", refuse, retval=True)
+    try:
+        done = reconcile(backend)
+    finally:
+        sa.event.remove(backend.engine, "before_cursor_execute", refuse)
+    assert sorted(done) == [ids[0], ids[2]]
+    assert row(backend.engine, refused).status == "unknown_outcome"
+    assert outcomes(backend, refused) == ["ambiguous"]
+    assert reconcile(backend) == [refused]  # nothing refuses it now
