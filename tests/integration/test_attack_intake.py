@@ -80,11 +80,6 @@ def suppressed_addresses(backend: Backend) -> list[str]:
         return sorted(conn.execute(sa.select(suppressions.c.address)).scalars())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: one forged event with a future mail.timestamp fakes the intake's flowing "
-    "proof; reconcile requeues a send whose Send event is still in the backlog",
-)
 def test_a_forged_future_mail_time_never_proves_the_intake_flowed(backend: Backend) -> None:
     """The intake is catching up on a backlog (received now, about mail SES took inside the
     window): by design that proves nothing. Anyone who can publish to the topic adds one
@@ -109,12 +104,6 @@ def test_a_forged_future_mail_time_never_proves_the_intake_flowed(backend: Backe
     assert row(backend.engine, mid).status == "unknown_outcome"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: after an intake outage longer than the window, SQS hands out the backlog "
-    "in no order; one genuine later event proves the intake flowed while the held send's own "
-    "Send event is still queued, and the reconcile sends it again",
-)
 def test_an_unordered_backlog_never_requeues_a_send_whose_event_is_still_queued(
     backend: Backend,
 ) -> None:
