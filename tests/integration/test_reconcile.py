@@ -605,3 +605,32 @@ def test_a_requeue_the_database_refuses_is_rolled_back_alone(server_backend):
     assert row(backend.engine, refused).status == "unknown_outcome"
     assert outcomes(backend, refused) == ["ambiguous"]
     assert reconcile(backend) == [refused]  # nothing refuses it now
+
+
+# -- the window's start is on the database's clock ----------------------------------------
+
+
+@pytest.mark.parametrize("skew", [-3600.0, +3600.0], ids=["behind", "ahead"])
+def test_a_sends_start_is_never_earlier_than_the_databases_clock(backend, skew):
+    """The relay's estimate of the database's clock is an hour off: the row's start, and its
+    attempt's, is the database's own reading when the estimate is behind (the window would
+    end an hour early), the estimate when it is ahead (the window only ends late)."""
+    before = read_now(backend)
+    clock = Clock(before + timedelta(seconds=skew))
+    (mid,) = enqueue(backend.engine, 1, outbox=OUTBOX, category="receipts")
+    with backend.engine.begin() as conn:  # due by the relay's clock too
+        conn.execute(
+            sa.update(messages).where(messages.c.id == mid).values(next_attempt_at=clock())
+        )
+    relay = relay_for(backend, FakeSender(lambda m: Ambiguous(code="ReadTimeout")), clock)
+    with closing(relay):
+        settle(relay)
+        settle(relay)
+    after = read_now(backend)
+    t0 = started(backend, mid)
+    if skew < 0:
+        assert before <= t0 <= after
+    else:
+        assert t0 == clock()
+    [attempt] = attempt_rows(backend.engine, mid)
+    assert (attempt.outcome, attempt.started_at) == ("ambiguous", t0)
