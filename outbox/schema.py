@@ -337,6 +337,15 @@ attempts = sa.Table(
     sa.Column("dropped_recipients", sa.Text(), nullable=True),  # suppressed, not sent to
 )
 
+# An identity notification (no tags) names its send by SES message id only; a stale or
+# superseded attempt's id is only here.
+sa.Index(
+    "ix_outbox_attempts_provider_message_id",
+    attempts.c.provider_message_id,
+    postgresql_where=sa.text("provider_message_id IS NOT NULL"),
+    sqlite_where=sa.text("provider_message_id IS NOT NULL"),
+)
+
 relays = sa.Table(
     "outbox_relays",
     metadata,

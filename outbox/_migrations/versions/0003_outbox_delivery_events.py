@@ -66,6 +66,13 @@ def upgrade() -> None:
         sqlite_where=sa.text(held),
     )
     op.add_column("outbox_attempts", sa.Column("dropped_recipients", sa.Text()))
+    op.create_index(
+        op.f("ix_outbox_attempts_provider_message_id"),
+        "outbox_attempts",
+        ["provider_message_id"],
+        postgresql_where=sa.text("provider_message_id IS NOT NULL"),
+        sqlite_where=sa.text("provider_message_id IS NOT NULL"),
+    )
     op.create_table(
         "outbox_events",
         sa.Column("id", _id(), sa.Identity(), nullable=False),
@@ -144,6 +151,7 @@ def downgrade() -> None:
     op.drop_table("outbox_intakes")
     op.drop_table("outbox_suppressions")
     op.drop_table("outbox_events")
+    op.drop_index(op.f("ix_outbox_attempts_provider_message_id"), "outbox_attempts")
     op.drop_column("outbox_attempts", "dropped_recipients")
     op.drop_index(op.f("ix_outbox_messages_reconcile"), "outbox_messages")
     op.drop_index(op.f("ix_outbox_messages_provider_message_id"), "outbox_messages")
@@ -197,7 +205,8 @@ def _views(dialect: str) -> dict[str, str]:
             " SUM(CASE WHEN event_type = 'malformed' THEN 1 ELSE 0 END) AS malformed_24h,"
             " (SELECT MAX(received_at) FROM outbox_events) AS newest_received_at,"
             f" (SELECT {age('MAX(received_at)')} FROM outbox_events) AS newest_age_seconds,"
-            " (SELECT MAX(event_at) FROM outbox_events) AS newest_event_at"
+            " (SELECT e.event_at FROM outbox_events e ORDER BY e.received_at DESC, e.id DESC"
+            " LIMIT 1) AS newest_event_at"
             f" FROM outbox_events WHERE received_at >= {day_ago}"
         ),
         "outbox_operator_log": (
