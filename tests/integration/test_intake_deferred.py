@@ -24,7 +24,7 @@ from relay import signals
 from relay.events import parse
 from relay.intake import Applied, Effect, Intake, apply_deferred, apply_events
 from tests.support.db import Backend, attempt_rows, row
-from tests.support.sqs import ses_event, sns_body, stage
+from tests.support.sqs import KINDS, ses_event, sns_body, stage
 
 NOW = datetime(2026, 12, 1, 12, 5, tzinfo=UTC)
 
@@ -184,3 +184,22 @@ def test_two_replicas_apply_a_deferred_event_once(server_backend: Backend):
     assert [x.effect for x in mine] == [Effect.RESOLVED]
     assert other == [[]]
     assert [a.outcome for a in attempt_rows(engine, mid)] == ["ambiguous", "reconciled"]
+
+
+# identity notifications carry no tags: nothing names a row being sent (it has no SES id yet)
+@pytest.mark.parametrize("kind", sorted(k for k in KINDS if not k.startswith("notification")))
+def test_a_deferred_event_means_what_it_meant_on_arrival(backend: Backend, kind: str):
+    """Applied from its recorded row, every kind of event leaves the delivery status it leaves
+    when it arrives for a sent row: the type and detail stored say all the parser read."""
+    engine = backend.engine
+    token = str(uuid.uuid4())
+    direct = stage(engine, Status.SENT, tokens=(token,), provider_id="ses-a")
+    arrive(
+        engine, sns_body(ses_event(kind, provider_id="ses-a", message_id=direct, claim_token=token))
+    )
+    later, later_token = being_sent(engine)
+    event = ses_event(kind, provider_id="ses-b", message_id=later, claim_token=later_token)
+    assert arrive(engine, sns_body(event)).effect is Effect.DEFERRED
+    saved(engine, later, Status.SENT, "ses-b")
+    intake_pass(engine)
+    assert row(engine, later).delivery_status == row(engine, direct).delivery_status
