@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,6 +74,8 @@ from relay.events import SesEvent, parse
 
 __all__ = [
     "ACTOR",
+    "COUNT_INTERVAL",
+    "COUNT_LAG",
     "DEFERRED_BATCH",
     "DEFERRED_INTERVAL",
     "MAX_MESSAGES",
@@ -123,6 +125,10 @@ _RESOLVABLE = (Status.UNKNOWN_OUTCOME.value, Status.PENDING.value, Status.RETRYI
 _KEPT = frozenset({Effect.MALFORMED, Effect.REFUSED})  # left on the queue
 # no signal: nothing changed, or not yet (a deferred event is announced once it is applied)
 _SILENT = frozenset({Effect.DUPLICATE, Effect.REFUSED, Effect.DEFERRED})
+COUNT_INTERVAL = 10.0  # seconds: while receives return messages, how often the counts are read
+# SQS's message counts are approximate and may lag what the queue holds by a minute; a count
+# of none proves the queue empty of everything older than this (seconds, with a margin).
+COUNT_LAG = 300.0
 DEFERRED_BATCH = 100  # deferred events applied per intake pass, oldest first
 DEFERRED_INTERVAL = 5.0  # seconds: while batches keep coming, the deferred pass's least gap
 
@@ -819,9 +825,11 @@ def record_intake(
     started_at: datetime,
     now: datetime,
     caught_up: bool,
+    empty_since: datetime | None = None,
 ) -> None:
     """record_intake -- This replica's ``outbox_intakes`` row: alive at ``now`` (the
-    database's clock), and with ``caught_up`` its queue found empty then. One upsert per
+    database's clock), and with ``caught_up`` its queue found empty then (or, given
+    ``empty_since``, empty of everything older than that). One upsert per
     dialect (``ON CONFLICT DO UPDATE``, MariaDB's ``ON DUPLICATE KEY UPDATE``), each column
     conditional: the process that started last owns the row (a write of an older one with
     the same id changes nothing), a new process starts with its own proof (none until its
@@ -833,7 +841,7 @@ def record_intake(
         "visibility_timeout": float(visibility_timeout),
         "started_at": started_at,
         "heartbeat_at": now,
-        "caught_up_at": now if caught_up else None,
+        "caught_up_at": (empty_since or now) if caught_up else None,
     }
     name = conn.dialect.name
     stmt: Any
@@ -993,6 +1001,7 @@ class Intake:
         # this process (or the one before it under this id) took may still be hidden in SQS
         self._settled_since = time.monotonic()
         self._deferred_at = -float("inf")  # monotonic time of the last deferred pass
+        self._counted_at = -float("inf")  # monotonic time the queue's counts were last read
 
     def request_stop(self) -> None:
         """Stop after the batch in hand (a long poll in progress ends within
@@ -1123,6 +1132,7 @@ class Intake:
         received = answer.get("Messages") or []
         if received:
             self._apply_received(received)
+            self._check_emptied()
         else:
             self._beat(caught_up=self._caught_up())
         if received and time.monotonic() - self._deferred_at < DEFERRED_INTERVAL:
@@ -1171,11 +1181,49 @@ class Intake:
             and time.monotonic() - self._settled_since >= visibility
         )
 
+    def _check_emptied(self) -> None:
+        """Under steady traffic a long poll never comes back empty, and the reconcile sweep
+        would never see a proof. So while receives keep returning messages, every
+        :data:`COUNT_INTERVAL` seconds the queue's own counts are read: none visible and
+        none delayed means no event older than SQS's counting lag was still waiting, and
+        ``caught_up_at`` is set :data:`COUNT_LAG` seconds before the reading. A count that
+        cannot be read proves nothing."""
+        if time.monotonic() - self._counted_at < COUNT_INTERVAL or not self._caught_up():
+            return
+        self._counted_at = time.monotonic()
+        try:
+            answer = self.client.get_queue_attributes(
+                QueueUrl=self.queue_url,
+                AttributeNames=[
+                    "ApproximateNumberOfMessages",
+                    "ApproximateNumberOfMessagesDelayed",
+                ],
+            )
+            counts = answer.get("Attributes") or {}
+            waiting = int(counts["ApproximateNumberOfMessages"])
+            waiting += int(counts["ApproximateNumberOfMessagesDelayed"])
+        except Exception as exc:  # an unreadable count is no proof, never a failed pass
+            _log.debug("queue counts not read: %s", exc, extra={"action": "queue_count"})
+            return
+        if waiting:
+            return
+        with self.engine.begin() as conn:
+            now = read_database_time(conn)
+            lag = timedelta(seconds=COUNT_LAG)
+            self._record(conn, now, caught_up=True, empty_since=now - lag)
+
     def _beat(self, *, caught_up: bool) -> None:
         with self.engine.begin() as conn:
             self._record(conn, read_database_time(conn), caught_up=caught_up)
 
-    def _record(self, conn: sa.Connection, now: datetime, *, caught_up: bool) -> None:
+    def _record(
+        self,
+        conn: sa.Connection,
+        now: datetime,
+        *,
+        caught_up: bool,
+        empty_since: datetime | None = None,
+    ) -> None:
         visibility = None if self.queue is None else self.queue.visibility_timeout
         if visibility is None:
             return  # check_queue has not read it: the row would prove nothing
@@ -1189,6 +1237,7 @@ class Intake:
             started_at=self.started_at,
             now=now,
             caught_up=caught_up,
+            empty_since=empty_since,
         )
 
     def _delete(self, handles: list[str]) -> None:

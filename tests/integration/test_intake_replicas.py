@@ -232,3 +232,75 @@ def test_against_sqs_the_queue_is_read_and_found_empty(
     assert found.caught_up_at is not None
     assert (found.queue_url, found.visibility_timeout) == (queue.url, 1.0)
     assert intake.intake_id.endswith(f"-{os.getpid()}")  # host and pid: the events command
+
+
+class Counted(Scripted):
+    """A scripted client whose queue reports the given counts of waiting messages."""
+
+    def __init__(self, *receives: list[str] | Exception, waiting: tuple[int, int]) -> None:
+        super().__init__(*receives)
+        self.waiting = waiting
+        self.count_reads = 0
+
+    def get_queue_attributes(self, **kw: Any) -> dict[str, Any]:
+        if "ApproximateNumberOfMessages" not in kw.get("AttributeNames", ()):
+            return super().get_queue_attributes(**kw)
+        self.count_reads += 1
+        visible, delayed = self.waiting
+        return {
+            "Attributes": {
+                "ApproximateNumberOfMessages": str(visible),
+                "ApproximateNumberOfMessagesDelayed": str(delayed),
+            }
+        }
+
+
+def busy(n: int) -> list[list[str]]:
+    return [[sns_body(ses_event("delivery", provider_id=f"ses-busy-{i}"))] for i in range(n)]
+
+
+def test_under_steady_traffic_an_empty_count_proves_the_queue_empty_of_older_events(
+    backend: Backend,
+) -> None:
+    """Every receive returns a message, so no long poll ever comes back empty: the queue's
+    own counts, when they show nothing waiting, prove it empty of everything older than
+    SQS's counting lag."""
+    from relay.intake import COUNT_LAG
+
+    engine = backend.engine
+    client = Counted(*busy(3), waiting=(0, 0))
+    intake = scripted_intake(engine, client)
+    wait_out_the_start(client)
+    before = now_of(engine)
+    assert intake.step() == 1
+    after = now_of(engine)
+    found = the_row(engine)
+    lag = timedelta(seconds=COUNT_LAG)
+    assert found.caught_up_at is not None
+    assert before - lag <= found.caught_up_at <= after - lag
+    assert intake.step() == 1  # within COUNT_INTERVAL: the counts are not read again
+    assert client.count_reads == 1
+
+
+@pytest.mark.parametrize("waiting", [(3, 0), (0, 2)], ids=["visible", "delayed"])
+def test_a_count_of_waiting_messages_proves_nothing(
+    backend: Backend, waiting: tuple[int, int]
+) -> None:
+    engine = backend.engine
+    client = Counted(*busy(1), waiting=waiting)
+    intake = scripted_intake(engine, client)
+    wait_out_the_start(client)
+    assert intake.step() == 1
+    assert client.count_reads == 1
+    assert the_row(engine).caught_up_at is None
+
+
+def test_no_count_is_read_while_messages_this_process_was_handed_may_be_hidden(
+    backend: Backend,
+) -> None:
+    engine = backend.engine
+    client = Counted(*busy(1), waiting=(0, 0))
+    intake = scripted_intake(engine, client)  # just started: a predecessor's may be hidden
+    assert intake.step() == 1
+    assert client.count_reads == 0
+    assert the_row(engine).caught_up_at is None
