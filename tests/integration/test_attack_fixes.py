@@ -147,3 +147,64 @@ def test_an_event_in_flight_at_another_replica_keeps_the_row_held(
     assert y.step() == 0  # found empty: the event is hidden, in flight at x
     assert reconcile(engine) == []  # x's event comes back within the visibility timeout
     assert row(engine, held).status == "unknown_outcome"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: the visibility timeout is read once at start; raised on the queue since, "
+    "a replica's own failed batch is still hidden when it writes caught_up_at",
+)
+def test_a_visibility_timeout_raised_after_start_keeps_a_failed_batch_unproven(
+    backend: Backend, sqs_env: MotoSes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import relay.intake as module
+
+    engine = backend.engine
+    url = queue(sqs_env, "events", 1)
+    held, own, proof = held_and_proof(engine)
+    client = sqs_env.client("sqs")
+    client.send_message(QueueUrl=url, MessageBody=proof)
+    x = intake(engine, url, "intake-x")
+    assert x.step() == 1  # the proof is committed
+    client.set_queue_attributes(QueueUrl=url, Attributes={"VisibilityTimeout": "6"})
+    client.send_message(QueueUrl=url, MessageBody=own)
+
+    def refuse(*_a: Any, **_kw: Any) -> Any:
+        raise sa.exc.OperationalError("apply", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(module, "apply_events", refuse)
+    with pytest.raises(sa.exc.OperationalError):
+        x.step()  # the row's own event, taken and not applied: hidden for 6 s now
+    monkeypatch.undo()
+    time.sleep(1.2)  # the visibility timeout x read at its start
+    assert x.step() == 0
+    assert reconcile(engine) == []  # its own event comes back within six seconds
+    assert row(engine, held).status == "unknown_outcome"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack: a caught_up_at ahead of the database's clock (written before the clock "
+    "was stepped back) never moves back and proves every later event drained at once",
+)
+def test_a_caught_up_at_ahead_of_the_databases_clock_proves_nothing(backend: Backend) -> None:
+    from relay.events import parse
+    from relay.intake import apply_events, record_intake
+
+    engine = backend.engine
+    held, _own, proof = held_and_proof(engine)
+    now = now_of(engine)
+    with engine.begin() as conn:  # a replica's reading while the database's clock ran an hour fast
+        record_intake(
+            conn,
+            intake_id="intake-z",
+            queue_url="https://sqs.eu-west-1.amazonaws.com/123456789012/ses-events",
+            visibility_timeout=30.0,
+            started_at=now - timedelta(hours=1),
+            now=now + timedelta(hours=1),
+            caught_up=True,
+        )
+    with engine.begin() as conn:  # the clock stepped back since: the proof commits now
+        apply_events(conn, [parse(proof)], now=read_database_time(conn))
+    assert reconcile(engine) == []  # no replica found the queue empty after the proof
+    assert row(engine, held).status == "unknown_outcome"
