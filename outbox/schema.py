@@ -398,6 +398,7 @@ events = sa.Table(
     sa.Column("effect", sa.String(30), nullable=False),
     sa.Column("error", sa.Text(), nullable=True),
     sa.Column("source", sa.String(20), nullable=False),
+    sa.Column("intake_id", sa.String(255), nullable=True),  # the replica that recorded it
     sa.UniqueConstraint("event_key"),
 )
 sa.Index("ix_outbox_events_received_at", events.c.received_at)

@@ -90,6 +90,7 @@ def upgrade() -> None:
         sa.Column("effect", sa.String(30), nullable=False),
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("source", sa.String(20), nullable=False),
+        sa.Column("intake_id", sa.String(255), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_outbox_events")),
         sa.UniqueConstraint("event_key", name=op.f("uq_outbox_events_event_key")),
     )
