@@ -38,6 +38,7 @@ visibility timeout); an SQS error is logged and retried after a jittered backoff
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import logging
 import os
@@ -1173,13 +1174,25 @@ class Intake:
 
     def _caught_up(self) -> bool:
         """Whether an empty receive just now proves the queue held no event this replica
-        could see: a long poll, and nothing handed to this process may still be hidden."""
-        visibility = None if self.queue is None else self.queue.visibility_timeout
-        return (
-            self.wait_seconds >= 1
-            and visibility is not None
-            and time.monotonic() - self._settled_since >= visibility
-        )
+        could see: a long poll, and nothing handed to this process may still be hidden. The
+        visibility timeout is read again from the queue (it may have been raised since the
+        start: a message taken since is hidden that much longer); one that cannot be read
+        proves nothing."""
+        if self.wait_seconds < 1 or self.queue is None or self.queue.visibility_timeout is None:
+            return False
+        try:
+            answer = self.client.get_queue_attributes(
+                QueueUrl=self.queue_url, AttributeNames=["VisibilityTimeout"]
+            )
+            current = _whole((answer.get("Attributes") or {}).get("VisibilityTimeout"))
+        except Exception as exc:  # no proof this time, never a failed pass
+            _log.debug("visibility timeout not read: %s", exc, extra={"action": "queue_read"})
+            return False
+        if current is None:
+            return False
+        hidden = max(current, self.queue.visibility_timeout)
+        self.queue = dataclasses.replace(self.queue, visibility_timeout=hidden)
+        return time.monotonic() - self._settled_since >= hidden
 
     def _check_emptied(self) -> None:
         """Under steady traffic a long poll never comes back empty, and the reconcile sweep

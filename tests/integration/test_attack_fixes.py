@@ -149,11 +149,6 @@ def test_an_event_in_flight_at_another_replica_keeps_the_row_held(
     assert row(engine, held).status == "unknown_outcome"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack: the visibility timeout is read once at start; raised on the queue since, "
-    "a replica's own failed batch is still hidden when it writes caught_up_at",
-)
 def test_a_visibility_timeout_raised_after_start_keeps_a_failed_batch_unproven(
     backend: Backend, sqs_env: MotoSes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
