@@ -402,6 +402,15 @@ events = sa.Table(
     sa.UniqueConstraint("event_key"),
 )
 sa.Index("ix_outbox_events_received_at", events.c.received_at)
+# The intake's pass over events deferred while their row was being sent, oldest first.
+sa.Index(
+    "ix_outbox_events_deferred",
+    events.c.effect,
+    events.c.received_at,
+    events.c.id,
+    postgresql_where=sa.text("effect = 'deferred'"),
+    sqlite_where=sa.text("effect = 'deferred'"),
+)
 
 # Addresses the relay never mails (lower-cased). Compared byte for byte: MariaDB's default
 # collation would make "jose@" and "josé@" one key.

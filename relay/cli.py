@@ -313,7 +313,11 @@ def run(**options: Any) -> None:
     sender = build_sender(config.sender, config, sender_options)
     engine = open_engine(config.database_url)
     relay = Relay(engine=engine, sender=sender, config=config)
-    intake = None if intake_config is None else _open_intake(intake_config, engine)
+    intake = (
+        None
+        if intake_config is None
+        else _open_intake(intake_config, engine, intake_id=relay.relay_id)
+    )
     listener = Listener.for_engine(engine, relay.wake)
     server = None
     if http_port is not None:
@@ -368,7 +372,11 @@ def _serve(relay: Relay, metrics: Any, port: int, host: str, **kw: Any) -> Serve
 
 
 def _open_intake(
-    config: IntakeConfig, engine: sa.Engine, *, exit_when_idle: bool = False
+    config: IntakeConfig,
+    engine: sa.Engine,
+    *,
+    exit_when_idle: bool = False,
+    intake_id: str | None = None,
 ) -> Intake:
     """The intake of ``config`` on ``engine``, its queue checked: a queue that does not exist
     or cannot be read is a :class:`ConfigurationError` naming its URL; an SQS endpoint that
@@ -390,6 +398,7 @@ def _open_intake(
         queue_url=config.queue_url,
         wait_seconds=config.wait_seconds,
         exit_when_idle=exit_when_idle,
+        intake_id=intake_id,  # in a relay, its relay id: one name in outbox_relays and intakes
     )
     try:
         intake.check_queue()

@@ -96,6 +96,13 @@ def upgrade() -> None:
     )
     op.create_index(op.f("ix_outbox_events_message_id"), "outbox_events", ["message_id"])
     op.create_index(op.f("ix_outbox_events_received_at"), "outbox_events", ["received_at"])
+    op.create_index(
+        op.f("ix_outbox_events_deferred"),
+        "outbox_events",
+        ["effect", "received_at", "id"],
+        postgresql_where=sa.text("effect = 'deferred'"),
+        sqlite_where=sa.text("effect = 'deferred'"),
+    )
     op.create_table(
         "outbox_suppressions",
         sa.Column(
