@@ -84,7 +84,13 @@ EXPORTS = {
     "relay.worker": ["STUCK_RETRY", "Relay"],
     "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "make_engine"],
     "relay.http": ["Server", "start_http_server"],
-    "relay.metrics": ["CLAIM_BUCKETS", "SEND_BUCKETS", "IntakeMetrics", "RelayMetrics"],
+    "relay.metrics": [
+        "CLAIM_BUCKETS",
+        "FUTURE_TOLERANCE_SECONDS",
+        "SEND_BUCKETS",
+        "IntakeMetrics",
+        "RelayMetrics",
+    ],
     "relay.events": ["MAX_BODY_BYTES", "SesEvent", "parse"],
 }
 
