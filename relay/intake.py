@@ -38,7 +38,6 @@ visibility timeout); an SQS error is logged and retried after a jittered backoff
 from __future__ import annotations
 
 import collections
-import dataclasses
 import enum
 import logging
 import os
@@ -132,6 +131,11 @@ COUNT_INTERVAL = 10.0  # seconds: while receives return messages, how often the 
 COUNT_LAG = 300.0
 DEFERRED_BATCH = 100  # deferred events applied per intake pass, oldest first
 DEFERRED_INTERVAL = 5.0  # seconds: while batches keep coming, the deferred pass's least gap
+# seconds: a receive starts no later than this after the reading of the last committed
+# heartbeat (else the replica beats first), so with one long poll (20 s) and its answer's way
+# back a message reaches it within the reconcile sweep's bound on a dead replica
+# (relay.store.RECEIVE_AFTER_HEARTBEAT, 120 s) after the heartbeat it last committed
+_BEAT_BEFORE_RECEIVE = 60.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -305,10 +309,14 @@ def insert_event(
     now: datetime,
     message_id: int | None,
     effect: Effect,
+    intake_id: str | None = None,
 ) -> int | None:
     """insert_event -- Record ``event`` unless its key is recorded; its id, or None for a
     duplicate. On the servers the insert waits for a concurrent uncommitted insert of the
-    same key, then finds it: of two replicas applying one event, one records it."""
+    same key, then finds it: of two replicas applying one event, one records it.
+    ``intake_id`` names the replica that took it from its queue: the reconcile sweep asks
+    that replica's queue, and only that one, whether it was drained after it (an event
+    recorded without one proves nothing there)."""
     e = events.c
     values = {
         "event_key": event.key,
@@ -325,6 +333,7 @@ def insert_event(
         "effect": effect.value,
         "error": event.error,
         "source": _fit(event.source, e.source),
+        "intake_id": _fit(intake_id, e.intake_id),
     }
     key = _insert_unless_present(conn, events, values)
     return None if key is None else int(key[0])
@@ -508,14 +517,21 @@ _SUPPRESSION_REASONS = {
 }
 
 
-def _apply_one(conn: sa.Connection, event: SesEvent, now: datetime, actor: str) -> Applied:
+def _apply_one(
+    conn: sa.Connection, event: SesEvent, now: datetime, actor: str, intake_id: str | None
+) -> Applied:
     row = _match(conn, event)
     if event.type is EventType.MALFORMED:
         first = Effect.MALFORMED
     else:
         first = Effect.UNMATCHED if row is None else Effect.RECORDED
     event_id = insert_event(
-        conn, event, now=now, message_id=None if row is None else row.id, effect=first
+        conn,
+        event,
+        now=now,
+        message_id=None if row is None else row.id,
+        effect=first,
+        intake_id=intake_id,
     )
     if event_id is None:
         return Applied(event=event, effect=Effect.DUPLICATE)
@@ -568,9 +584,11 @@ def apply_events(
     *,
     now: datetime,
     actor: str = ACTOR,
+    intake_id: str | None = None,
 ) -> list[Applied]:
     """Apply ``batch`` in the caller's transaction (which it then commits); one
-    :class:`Applied` per event, in the batch's order. ``now`` is the database's clock.
+    :class:`Applied` per event, in the batch's order. ``now`` is the database's clock;
+    ``intake_id`` the replica that took the batch from its queue (:func:`insert_event`).
 
     Events are applied in key order, so two replicas holding overlapping batches take the
     keys' locks in the same order and wait for each other instead of deadlocking. On
@@ -583,11 +601,11 @@ def apply_events(
     isolate = conn.dialect.name != "sqlite"  # pysqlite's SAVEPOINT needs the engine's fix
     for index, event in sorted(enumerate(batch), key=lambda item: item[1].key):
         if not isolate:
-            results[index] = _apply_one(conn, event, now, actor)
+            results[index] = _apply_one(conn, event, now, actor, intake_id)
             continue
         try:
             with conn.begin_nested():
-                applied = _apply_one(conn, event, now, actor)
+                applied = _apply_one(conn, event, now, actor, intake_id)
         except sa.exc.DBAPIError as exc:
             if _is_outage(exc):
                 raise
@@ -1003,6 +1021,9 @@ class Intake:
         self._settled_since = time.monotonic()
         self._deferred_at = -float("inf")  # monotonic time of the last deferred pass
         self._counted_at = -float("inf")  # monotonic time the queue's counts were last read
+        # monotonic time just before the database's clock was read for the last committed
+        # heartbeat (None before the first)
+        self._beat_at: float | None = None
 
     def request_stop(self) -> None:
         """Stop after the batch in hand (a long poll in progress ends within
@@ -1120,13 +1141,28 @@ class Intake:
         was visible in the queue until then. Not while messages this process was handed may
         still be hidden unapplied (a failed batch, an event the database refused, a receive
         whose answer was lost, the process's start): until the queue's visibility timeout
-        has passed since."""
+        has passed since.
+
+        Each receive names the visibility timeout read at start (:meth:`check_queue`): a
+        setting raised on the queue since cannot hide a message this replica took longer
+        than its row says. And the reconcile sweep asks every replica of the queue, and
+        bounds when a dead one may last have taken a message by its heartbeat: so a replica
+        beats before its first receive, and before any that would start more than
+        :data:`_BEAT_BEFORE_RECEIVE` seconds after its last heartbeat's reading."""
+        visibility = None if self.queue is None else self.queue.visibility_timeout
+        if visibility is not None and (
+            self._beat_at is None or time.monotonic() - self._beat_at >= _BEAT_BEFORE_RECEIVE
+        ):
+            self._beat(caught_up=False)
+        request: dict[str, Any] = {
+            "QueueUrl": self.queue_url,
+            "MaxNumberOfMessages": MAX_MESSAGES,
+            "WaitTimeSeconds": self.wait_seconds,
+        }
+        if visibility is not None:
+            request["VisibilityTimeout"] = visibility
         try:
-            answer = self.client.receive_message(
-                QueueUrl=self.queue_url,
-                MaxNumberOfMessages=MAX_MESSAGES,
-                WaitTimeSeconds=self.wait_seconds,
-            )
+            answer = self.client.receive_message(**request)
         except BaseException:
             self._unsettled()  # SQS may have handed out messages on the lost answer
             raise
@@ -1150,12 +1186,16 @@ class Intake:
         parsed = [parse(str(m.get("Body", ""))) for m in received]
         try:
             with self.engine.begin() as conn:
+                read_at = time.monotonic()
                 now = read_database_time(conn)
-                applied = apply_events(conn, parsed, now=now, actor=self.actor)
+                applied = apply_events(
+                    conn, parsed, now=now, actor=self.actor, intake_id=self.intake_id
+                )
                 self._record(conn, now, caught_up=False)
         except BaseException:
             self._unsettled()
             raise
+        self._beat_at = read_at
         if any(result.effect is Effect.REFUSED for result in applied):
             self._unsettled()
         for result in applied:
@@ -1174,25 +1214,15 @@ class Intake:
 
     def _caught_up(self) -> bool:
         """Whether an empty receive just now proves the queue held no event this replica
-        could see: a long poll, and nothing handed to this process may still be hidden. The
-        visibility timeout is read again from the queue (it may have been raised since the
-        start: a message taken since is hidden that much longer); one that cannot be read
-        proves nothing."""
-        if self.wait_seconds < 1 or self.queue is None or self.queue.visibility_timeout is None:
-            return False
-        try:
-            answer = self.client.get_queue_attributes(
-                QueueUrl=self.queue_url, AttributeNames=["VisibilityTimeout"]
-            )
-            current = _whole((answer.get("Attributes") or {}).get("VisibilityTimeout"))
-        except Exception as exc:  # no proof this time, never a failed pass
-            _log.debug("visibility timeout not read: %s", exc, extra={"action": "queue_read"})
-            return False
-        if current is None:
-            return False
-        hidden = max(current, self.queue.visibility_timeout)
-        self.queue = dataclasses.replace(self.queue, visibility_timeout=hidden)
-        return time.monotonic() - self._settled_since >= hidden
+        could see: a long poll, and nothing handed to this process may still be hidden (each
+        receive names this replica's visibility timeout, so the queue's setting, changed
+        since, does not decide how long)."""
+        visibility = None if self.queue is None else self.queue.visibility_timeout
+        return (
+            self.wait_seconds >= 1
+            and visibility is not None
+            and time.monotonic() - self._settled_since >= visibility
+        )
 
     def _check_emptied(self) -> None:
         """Under steady traffic a long poll never comes back empty, and the reconcile sweep
@@ -1221,13 +1251,17 @@ class Intake:
         if waiting:
             return
         with self.engine.begin() as conn:
+            read_at = time.monotonic()
             now = read_database_time(conn)
             lag = timedelta(seconds=COUNT_LAG)
             self._record(conn, now, caught_up=True, empty_since=now - lag)
+        self._beat_at = read_at
 
     def _beat(self, *, caught_up: bool) -> None:
         with self.engine.begin() as conn:
+            read_at = time.monotonic()
             self._record(conn, read_database_time(conn), caught_up=caught_up)
+        self._beat_at = read_at
 
     def _record(
         self,

@@ -1145,42 +1145,96 @@ def _window_end(dialect: str) -> sa.ColumnElement[Any]:
 _MAX_VISIBILITY_SECONDS = 12 * 3600.0
 
 
-def _drained_after(dialect: str, event: sa.FromClause) -> sa.Exists:
-    """Some intake replica found its queue empty (``caught_up_at``, the database's clock)
-    more than the queue's visibility timeout after ``event`` was committed.
+# How long after its last committed heartbeat a replica may still have been handed a message:
+# the heartbeat is read before its batch commits, and the intake beats again before any
+# receive that would start later than a minute after it (``relay.intake.Intake.step``); one
+# long poll (20 s) and the answer's way back fit in the rest.
+RECEIVE_AFTER_HEARTBEAT = 120.0
 
-    SQS standard queues keep no order: while a backlog drains, an event of later mail can be
-    committed before an ambiguous send's own, which is still waiting in the queue (or taken
-    by a replica that has not committed it yet). A receive that found the queue empty after
-    the proof event proves nothing older was still visible then; a message a replica took
-    and dropped (it died, or its transaction failed) stays hidden for the visibility timeout,
-    hence the timeout's margin. Without an ``outbox_intakes`` row nothing is proven.
 
-    What remains: a replica that takes the row's own event and dies, and the replica that
-    takes it next when it reappears dies too, hides it for two visibility timeouts; a
-    ``caught_up_at`` between the first and the second proves a drained queue that was not.
-    SQS's ``maxReceiveCount`` sends a message received that often to the dead-letter queue,
-    where no intake reads it at all. Both need replicas to die with that very message in
-    hand, back to back (a relay whose sweep runs in between resends the row); the
-    dead-letter queue's alarm is the operator's signal, and a resend shows as
-    ``duplicate_send`` once the event is replayed."""
-    intake = intakes.alias("drained")
-    visibility = intake.c.visibility_timeout
-    margin = sa.case(
+def _plus_visibility(
+    dialect: str,
+    at: sa.ColumnElement[Any],
+    visibility: sa.ColumnElement[Any],
+    extra: float = 0.0,
+) -> sa.ColumnElement[Any]:
+    """``at`` plus a visibility timeout in seconds, plus ``extra``; NULL, inside a CASE, for
+    a timeout that is not a queue's (outside [0, 12 h]) or a time past :data:`_FAR`, so
+    nothing compared with it holds."""
+    return sa.case(
         (
             sa.and_(
                 visibility >= 0,
                 visibility <= _MAX_VISIBILITY_SECONDS,
-                event.c.received_at < sa.literal(_FAR, UTCDateTime()),
+                at < sa.literal(_FAR, UTCDateTime()),
             ),
-            _plus_seconds(dialect, event.c.received_at, visibility),
+            _plus_seconds(dialect, at, visibility + extra if extra else visibility),
         ),
         else_=sa.null(),
     )
-    return sa.exists().where(intake.c.caught_up_at > margin)
 
 
-def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
+def _drained_after(dialect: str, event: sa.FromClause, db_now: datetime) -> sa.ColumnElement[bool]:
+    """Every intake replica of the queue that recorded ``event`` vouches that nothing older
+    than it is left there: each either found the queue empty (``caught_up_at``, the
+    database's clock) more than its visibility timeout after ``event`` was committed, or is
+    dead, and at least one found it so.
+
+    SQS standard queues keep no order: while a backlog drains, an event of later mail can be
+    committed before an ambiguous send's own, which is still waiting in the queue, or was
+    taken by another replica that has not committed it yet (it is slow, or died with it).
+    A replica's ``caught_up_at`` is written only after an empty long poll while nothing it
+    was handed can still be hidden unapplied; the visibility timeout's margin after the
+    event covers a message it took and dropped just before. A replica that never says so
+    may hold the row's own event: unless it is dead, a replica ``i`` having found the queue
+    empty more than :data:`RECEIVE_AFTER_HEARTBEAT` plus both visibility timeouts after its
+    last heartbeat (whatever it took has come back by then, and ``i`` found none of it),
+    the proof waits for it. A replica long gone is dead by the same rule.
+
+    Only rows of the recording replica's queue (``queue_url`` through ``event.intake_id``)
+    count, each with its own visibility timeout (which the intake passes on each receive);
+    an event recorded without an ``intake_id``, or by a replica whose row was since taken by
+    a process started after the event, proves nothing. A ``caught_up_at`` later than the
+    database's clock ``db_now`` (written before the clock was stepped back) counts for
+    nothing."""
+    recorder = intakes.alias("recorder")
+    queue = (
+        sa.select(recorder.c.queue_url)
+        .where(
+            recorder.c.intake_id == event.c.intake_id,
+            recorder.c.started_at <= event.c.received_at,
+        )
+        .correlate_except(recorder)
+        .scalar_subquery()
+    )
+    now = sa.literal(db_now, UTCDateTime())
+    vouching = intakes.alias("vouching")
+    j = intakes.alias("peer")
+    i = intakes.alias("witness")
+
+    def found_empty_after(row: sa.FromClause) -> sa.ColumnElement[bool]:
+        return sa.and_(
+            row.c.caught_up_at <= now,
+            row.c.caught_up_at
+            > _plus_visibility(dialect, event.c.received_at, row.c.visibility_timeout),
+        )
+
+    reach = RECEIVE_AFTER_HEARTBEAT
+    dead = sa.exists().where(
+        i.c.queue_url == j.c.queue_url,
+        i.c.caught_up_at <= now,
+        i.c.caught_up_at
+        > _plus_visibility(dialect, j.c.heartbeat_at, i.c.visibility_timeout, reach),
+        i.c.caught_up_at
+        > _plus_visibility(dialect, j.c.heartbeat_at, j.c.visibility_timeout, reach),
+    )
+    vouched = sa.case((found_empty_after(j), 1), else_=0) == 1
+    one = sa.exists().where(vouching.c.queue_url == queue, found_empty_after(vouching))
+    silent = sa.exists().where(j.c.queue_url == queue, ~vouched, ~dead)
+    return sa.and_(event.c.intake_id.is_not(None), one, ~silent)
+
+
+def _reconcilable(dialect: str, db_now: datetime) -> list[sa.ColumnElement[bool]]:
     """An unknown_outcome row of the reconcile policy, with no event matched to it, never
     requeued by a reconcile before, whose window the intake provably flowed past: an event
     committed (``received_at``, the database's clock) after the attempt's start plus the
@@ -1205,7 +1259,7 @@ def _reconcilable(dialect: str) -> list[sa.ColumnElement[bool]]:
         event.c.claim_token.is_not(None),
         event.c.received_at > end,
         event.c.mail_at > end,
-        _drained_after(dialect, event),
+        _drained_after(dialect, event, db_now),
     )
     matched = sa.exists().where(events.c.message_id == _m.c.id)
     requeued = sa.exists().where(
@@ -1290,7 +1344,7 @@ def reconcile_unknown(
     """
     if conn.execute(sa.select(sa.func.max(events.c.received_at))).scalar() is None:
         return []  # no intake has ever committed an event: never requeue
-    where = _reconcilable(conn.dialect.name)
+    where = _reconcilable(conn.dialect.name, read_database_time(conn))
     stmt = (
         sa.select(_m.c.id, _m.c.category, _m.c.send_started_at, _m.c.reconcile_after)
         .where(*where)

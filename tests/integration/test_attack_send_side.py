@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import AmbiguityPolicy, Category, Outbox
-from outbox.schema import events, intakes, messages
+from outbox.schema import attempts, events, intakes, messages
 from relay import store
 from relay.clock import read_database_time
 from relay.events import parse
@@ -52,6 +52,19 @@ def held(backend, count: int = 1) -> list[int]:
         settle(relay)
     for mid in ids:
         assert row(backend.engine, mid).status == "unknown_outcome"
+    with backend.engine.begin() as conn:  # begun a day ago: a proof after it is in the past
+        for mid in ids:
+            started_at = row(backend.engine, mid).send_started_at
+            conn.execute(
+                sa.update(messages)
+                .where(messages.c.id == mid)
+                .values(send_started_at=started_at - timedelta(days=1))
+            )
+            conn.execute(
+                sa.update(attempts)
+                .where(attempts.c.message_id == mid, attempts.c.started_at == started_at)
+                .values(started_at=started_at - timedelta(days=1))
+            )
     return ids
 
 
@@ -59,9 +72,9 @@ def started(backend, mid: int) -> datetime:
     return row(backend.engine, mid).send_started_at
 
 
-def apply(backend, body: str, *, now: datetime) -> Effect:
+def apply(backend, body: str, *, now: datetime, intake_id: str | None = None) -> Effect:
     with backend.engine.begin() as conn:
-        (done,) = apply_events(conn, [parse(body)], now=now)
+        (done,) = apply_events(conn, [parse(body)], now=now, intake_id=intake_id)
     return done.effect
 
 
@@ -101,7 +114,8 @@ def flowing(backend, mail_at: datetime) -> None:
         mail_at=mail_at,
     )
     committed = mail_at + timedelta(seconds=1)
-    assert apply(backend, sns_body(event), now=committed) is Effect.RECORDED
+    recorded = apply(backend, sns_body(event), now=committed, intake_id="intake-1")
+    assert recorded is Effect.RECORDED
     with backend.engine.begin() as conn:
         conn.execute(sa.delete(intakes).where(intakes.c.intake_id == "intake-1"))
         conn.execute(

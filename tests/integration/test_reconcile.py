@@ -31,6 +31,11 @@ from tests.support.inprocess import closing, receiving, relay_for, settle
 
 WINDOW = 60.0
 VISIBILITY = 30.0  # seconds: the events queue's visibility timeout
+# how long ago the held sends began: every proof a test stamps after their window (up to 40
+# days after) lies in the database's past, where a ``caught_up_at`` counts
+BACK = timedelta(days=41)
+LONG_AGO = datetime(2020, 1, 1, tzinfo=UTC)  # when the intake replicas started
+QUEUE = "https://sqs.eu-west-1.amazonaws.com/123456789012/ses-events"
 OUTBOX = Outbox(
     categories=[
         Category(name="receipts", ambiguity=AmbiguityPolicy.RECONCILE, reconcile_after=WINDOW),
@@ -51,7 +56,27 @@ def held(backend, category: str = "receipts", count: int = 1) -> list[int]:
         r = row(backend.engine, mid)
         assert (r.status, r.last_error_code) == ("unknown_outcome", "ReadTimeout")
         assert r.send_started_at is not None
+    backdate(backend, ids)
     return ids
+
+
+def backdate(backend, ids: list[int]) -> None:
+    """The held sends (and their attempts) began :data:`BACK` ago."""
+    with backend.engine.begin() as conn:
+        for mid in ids:
+            started_at = conn.execute(
+                sa.select(messages.c.send_started_at).where(messages.c.id == mid)
+            ).scalar_one()
+            conn.execute(
+                sa.update(messages)
+                .where(messages.c.id == mid)
+                .values(send_started_at=started_at - BACK)
+            )
+            conn.execute(
+                sa.update(attempts)
+                .where(attempts.c.message_id == mid, attempts.c.started_at == started_at)
+                .values(started_at=started_at - BACK)
+            )
 
 
 def started(backend, mid: int) -> datetime:
@@ -67,8 +92,10 @@ def event(
     effect: str = "unmatched",
     event_type: str = "delivery",
     claim_token: str | None = None,
+    intake_id: str | None = "intake-1",
 ) -> None:
-    """An event row as the intake commits it (the times chosen by the test)."""
+    """An event row as the intake commits it, taken from its queue by replica ``intake_id``
+    (the times chosen by the test)."""
     with backend.engine.begin() as conn:
         conn.execute(
             sa.insert(events).values(
@@ -82,6 +109,7 @@ def event(
                 claim_token=claim_token,
                 effect=effect,
                 source="sns",
+                intake_id=intake_id,
             )
         )
 
@@ -99,19 +127,26 @@ def sent_row(backend) -> int:
 
 
 def caught_up(
-    backend, at: datetime | None, *, visibility: float = VISIBILITY, intake_id: str = "intake-1"
+    backend,
+    at: datetime | None,
+    *,
+    visibility: float = VISIBILITY,
+    intake_id: str = "intake-1",
+    heartbeat_at: datetime | None = None,
+    queue_url: str = QUEUE,
 ) -> None:
     """An intake replica's row in outbox_intakes, as it writes it: it found its queue (whose
-    visibility timeout is ``visibility`` seconds) empty at ``at`` (the database's clock)."""
+    visibility timeout is ``visibility`` seconds) empty at ``at`` (the database's clock),
+    its last heartbeat then (or at ``heartbeat_at``)."""
     with backend.engine.begin() as conn:
         conn.execute(sa.delete(intakes).where(intakes.c.intake_id == intake_id))
         conn.execute(
             sa.insert(intakes).values(
                 intake_id=intake_id,
-                queue_url="https://sqs.eu-west-1.amazonaws.com/123456789012/ses-events",
+                queue_url=queue_url,
                 visibility_timeout=visibility,
-                started_at=at or read_now(backend),
-                heartbeat_at=at or read_now(backend),
+                started_at=LONG_AGO,
+                heartbeat_at=heartbeat_at or at or read_now(backend),
                 caught_up_at=at,
             )
         )
@@ -123,7 +158,12 @@ def read_now(backend) -> datetime:
 
 
 def proof(
-    backend, *, received_at: datetime, mail_at: datetime | None, drained: bool = True
+    backend,
+    *,
+    received_at: datetime,
+    mail_at: datetime | None,
+    drained: bool = True,
+    intake_id: str | None = "intake-1",
 ) -> None:
     """Another message's Send event, matched to it by its tags (the intake's proof that the
     stream which would name an ambiguous send flows), at the given times; with ``drained``,
@@ -139,6 +179,7 @@ def proof(
         effect="recorded",
         event_type="send",
         claim_token=str(uuid.uuid4()),
+        intake_id=intake_id,
     )
 
 
@@ -266,14 +307,73 @@ def test_the_proof_counts_once_the_queue_was_found_empty_a_visibility_timeout_la
     assert reconcile(backend) == ([mid] if requeued else [])
 
 
-def test_any_replica_that_found_the_queue_empty_will_do(backend):
+def test_every_live_replica_of_the_queue_must_have_found_it_empty(backend):
+    """A replica that has not found the queue empty since the proof may hold the row's own
+    event in flight: until it does (or is dead), another's empty receive proves nothing."""
     (mid,) = held(backend)
     after = started(backend, mid) + timedelta(seconds=WINDOW + 5)
-    proof(backend, received_at=after, mail_at=after, drained=False)
+    proof(backend, received_at=after, mail_at=after, drained=False, intake_id="intake-a")
     caught_up(backend, after - timedelta(seconds=1), intake_id="intake-a")
     assert reconcile(backend) == []
     caught_up(backend, after + timedelta(seconds=VISIBILITY + 1), intake_id="intake-b")
+    assert reconcile(backend) == []  # intake-a, alive, last found it empty before the proof
+    caught_up(backend, after + timedelta(seconds=VISIBILITY + 1), intake_id="intake-a")
     assert reconcile(backend) == [mid]
+
+
+@pytest.mark.parametrize(
+    ("silent_for", "requeued"),
+    [
+        (store.RECEIVE_AFTER_HEARTBEAT + VISIBILITY - 1, False),  # may still hold a message
+        (store.RECEIVE_AFTER_HEARTBEAT + VISIBILITY + 1, True),  # whatever it took is back
+    ],
+)
+def test_a_dead_replica_no_longer_needs_to_vouch(backend, silent_for, requeued):
+    (mid,) = held(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 5)
+    proof(backend, received_at=after, mail_at=after, drained=False, intake_id="intake-a")
+    empty_at = after + timedelta(seconds=VISIBILITY + 1)
+    caught_up(backend, empty_at, intake_id="intake-a")
+    caught_up(  # it beat after the proof, then went silent, never finding the queue empty
+        backend,
+        None,
+        intake_id="intake-dead",
+        heartbeat_at=empty_at - timedelta(seconds=silent_for),
+    )
+    assert reconcile(backend) == ([mid] if requeued else [])
+
+
+def test_replicas_of_another_queue_neither_prove_nor_block(backend):
+    (mid,) = held(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 5)
+    proof(backend, received_at=after, mail_at=after, drained=False, intake_id="intake-a")
+    other = "https://sqs.eu-west-1.amazonaws.com/123456789012/other-events"
+    empty_at = after + timedelta(seconds=VISIBILITY + 1)
+    caught_up(backend, empty_at, intake_id="intake-b", queue_url=other)
+    assert reconcile(backend) == []  # the proof's own queue was never found empty
+    caught_up(backend, None, intake_id="intake-c", queue_url=other)  # silent, alive
+    caught_up(backend, empty_at, intake_id="intake-a")
+    assert reconcile(backend) == [mid]
+
+
+def test_a_caught_up_at_later_than_the_databases_clock_counts_for_nothing(backend):
+    """Written before the database's clock was stepped back: it claims an emptiness seen
+    later than now."""
+    (mid,) = held(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 5)
+    proof(backend, received_at=after, mail_at=after, drained=False)
+    caught_up(backend, read_now(backend) + timedelta(hours=1))
+    assert reconcile(backend) == []
+    caught_up(backend, after + timedelta(seconds=VISIBILITY + 1))
+    assert reconcile(backend) == [mid]
+
+
+def test_an_event_without_its_replica_proves_nothing(backend):
+    (mid,) = held(backend)
+    after = started(backend, mid) + timedelta(seconds=WINDOW + 5)
+    proof(backend, received_at=after, mail_at=after, drained=False, intake_id=None)
+    caught_up(backend, after + timedelta(seconds=VISIBILITY + 1))
+    assert reconcile(backend) == []
 
 
 @pytest.mark.parametrize("visibility", [-VISIBILITY, 1e300], ids=["negative", "huge"])
@@ -327,6 +427,7 @@ def test_a_row_requeued_once_that_comes_back_ambiguous_stays_for_a_human(backend
         settle(relay)
     assert len(sender.calls) == 1
     assert row(backend.engine, mid).status == "unknown_outcome"
+    backdate(backend, [mid])
     flowing_past(backend, mid, seconds=3600)
     assert reconcile(backend) == []
     assert row(backend.engine, mid).status == "unknown_outcome"
@@ -341,7 +442,7 @@ def test_a_skewed_relay_clock_cannot_requeue_early(backend):
     t0 = started(backend, mid)
     inside = t0 + timedelta(seconds=WINDOW - 1)
     proof(backend, received_at=inside, mail_at=inside)
-    ahead = Clock(t0 + timedelta(days=1))
+    ahead = Clock(read_now(backend) + timedelta(days=1))
     sender = FakeSender()
     relay = relay_for(backend, sender, ahead, relay_id="r2")
     with closing(relay), receiving(signals.reconciled, relay) as reconciled:
