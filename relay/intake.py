@@ -852,7 +852,14 @@ def record_intake(
     dialect (``ON CONFLICT DO UPDATE``, MariaDB's ``ON DUPLICATE KEY UPDATE``), each column
     conditional: the process that started last owns the row (a write of an older one with
     the same id changes nothing), a new process starts with its own proof (none until its
-    first empty receive), and ``heartbeat_at`` and ``caught_up_at`` never move back."""
+    first empty receive), and ``caught_up_at`` only moves forward.
+
+    No stored time stays later than the ``now`` being written: such a value was written
+    before the database's clock was stepped back, and a ``caught_up_at`` from then would
+    claim an emptiness seen later than it was. The owner's ``heartbeat_at`` follows the
+    clock, a ``caught_up_at`` ahead of it is replaced by the owner's (NULL by an older
+    process's write), and a row whose process started after ``now`` is taken by the writer
+    as a newer process's."""
     t = intakes.c
     values = {
         "intake_id": intake_id,
@@ -872,25 +879,26 @@ def record_intake(
             values
         )
         new = stmt.excluded
-    newer, same, older = (
-        new.started_at > t.started_at,
-        new.started_at == t.started_at,
-        new.started_at < t.started_at,
-    )
+    # a row started after this write's clock was written before the clock went back
+    ahead = t.started_at > new.heartbeat_at
+    newer = sa.or_(new.started_at > t.started_at, ahead)
+    same = sa.and_(new.started_at == t.started_at, ~ahead)
+    older = sa.and_(new.started_at < t.started_at, ~ahead)
+    stale = t.caught_up_at > new.heartbeat_at  # found empty "later" than now: not so
     caught_up_at = sa.case(
         (newer, new.caught_up_at),
+        (sa.and_(older, stale), sa.null()),
         (older, t.caught_up_at),
+        (stale, new.caught_up_at),
         (new.caught_up_at.is_(None), t.caught_up_at),
         (t.caught_up_at.is_(None), new.caught_up_at),
         (new.caught_up_at > t.caught_up_at, new.caught_up_at),
         else_=t.caught_up_at,
     )
-    heartbeat_at = sa.case(
-        (newer, new.heartbeat_at),
-        (sa.and_(same, new.heartbeat_at > t.heartbeat_at), new.heartbeat_at),
-        else_=t.heartbeat_at,
-    )
     owned = sa.or_(newer, same)
+    # an older process's reading never moves the owner's heartbeat (it would make the owner
+    # look silent longer than it is, and the reconcile sweep count it dead sooner)
+    heartbeat_at = sa.case((owned, new.heartbeat_at), else_=t.heartbeat_at)
     # in this order: MariaDB assigns left to right, each later expression reading the row as
     # the earlier ones left it, so started_at (which the others compare with) is set last
     updates = [

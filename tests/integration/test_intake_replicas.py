@@ -47,7 +47,7 @@ def write(engine: sa.Engine, **kw: Any) -> None:
         record_intake(conn, **values)
 
 
-def test_the_upsert_keeps_each_column_moving_forward(backend: Backend) -> None:
+def test_the_upsert_keeps_each_column_moving_with_the_clock(backend: Backend) -> None:
     engine = backend.engine
     write(engine, now=s(1))
     first = the_row(engine)
@@ -56,10 +56,33 @@ def test_the_upsert_keeps_each_column_moving_forward(backend: Backend) -> None:
     write(engine, now=s(5), caught_up=True)
     write(engine, now=s(8))  # a heartbeat with messages in hand keeps the last proof
     assert (the_row(engine).heartbeat_at, the_row(engine).caught_up_at) == (s(8), s(5))
-    write(engine, now=s(3), caught_up=True)  # an older reading never moves either back
-    assert (the_row(engine).heartbeat_at, the_row(engine).caught_up_at) == (s(8), s(5))
+    write(engine, now=s(9), caught_up=True, empty_since=s(2))  # an older emptiness: kept
+    assert (the_row(engine).heartbeat_at, the_row(engine).caught_up_at) == (s(9), s(5))
+    # the database's clock was stepped back: nothing stays later than the clock says now
+    write(engine, now=s(4))
+    assert (the_row(engine).heartbeat_at, the_row(engine).caught_up_at) == (s(4), None)
+    write(engine, now=s(6), caught_up=True)
+    write(engine, now=s(3), caught_up=True)
+    assert (the_row(engine).heartbeat_at, the_row(engine).caught_up_at) == (s(3), s(3))
     write(engine, now=s(9), caught_up=True)
     assert the_row(engine).caught_up_at == s(9)
+
+
+def test_a_row_from_before_the_clock_was_stepped_back_proves_nothing_after(
+    backend: Backend,
+) -> None:
+    """A process that started "later" than the clock now reads (its start was written while
+    the clock ran ahead) no longer owns the row against one that writes now; an older
+    process's write clears a caught_up_at ahead of its clock."""
+    engine = backend.engine
+    write(engine, started_at=s(100), now=s(101), caught_up=True)
+    write(engine, started_at=s(10), now=s(11))  # a process started after the step back
+    taken = the_row(engine)
+    assert (taken.started_at, taken.heartbeat_at, taken.caught_up_at) == (s(10), s(11), None)
+    write(engine, started_at=s(20), now=s(200), caught_up=True)
+    write(engine, started_at=s(5), now=s(30))  # an older process, after another step back
+    kept = the_row(engine)
+    assert (kept.started_at, kept.heartbeat_at, kept.caught_up_at) == (s(20), s(200), None)
 
 
 def test_a_new_process_under_the_id_owns_the_row_and_starts_without_a_proof(
