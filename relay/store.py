@@ -1196,7 +1196,14 @@ def _drained_after(dialect: str, event: sa.FromClause, db_now: datetime) -> sa.C
     an event recorded without an ``intake_id``, or by a replica whose row was since taken by
     a process started after the event, proves nothing. A ``caught_up_at`` later than the
     database's clock ``db_now`` (written before the clock was stepped back) counts for
-    nothing."""
+    nothing.
+
+    What remains: a message received ``maxReceiveCount`` times (replicas dying with it in
+    hand, again and again) goes to the dead-letter queue, where no replica reads it, and the
+    queue is then truly empty; the dead-letter queue's alarm is the operator's signal, and
+    a resend shows as ``duplicate_send`` once the event is replayed. Two live processes
+    under one ``intake_id`` share one row, so one of them goes unseen. A database clock
+    stepped forward makes a silent replica look dead early."""
     recorder = intakes.alias("recorder")
     queue = (
         sa.select(recorder.c.queue_url)
@@ -1248,9 +1255,11 @@ def _reconcilable(dialect: str, db_now: datetime) -> list[sa.ColumnElement[bool]
     our rows by its tags (``message_id`` and ``claim_token`` set: the claim token was one of
     that row's attempts). Identity notifications carry no tags, another deployment's events
     on a shared topic and forged ones match none of our claim tokens: none of them says
-    anything about whether this send's own event would have arrived. And an intake replica
-    must have found its queue empty after that event committed (:func:`_drained_after`): an
-    unordered backlog commits later mail's events before this send's own."""
+    anything about whether this send's own event would have arrived. And every live replica
+    of the queue that recorded that event must have found it empty after the event committed
+    (:func:`_drained_after`): an unordered backlog commits later mail's events before this
+    send's own, and a replica may hold this send's own event in flight. ``db_now`` is the
+    database's clock, read by the sweep."""
     end = _window_end(dialect)
     event = events.alias("flowing")
     flowed = sa.exists().where(
@@ -1331,8 +1340,9 @@ def reconcile_unknown(
     row requeued once that comes back ambiguous stays for a human), and the intake's proof
     exists (:func:`_reconcilable`): one of our Send events with ``received_at`` and
     ``mail_at`` both later than ``send_started_at`` (kept by :func:`hold_unknown`) plus the
-    window, and an intake that found its queue empty a visibility timeout after it
-    committed. Without events and ``outbox_intakes`` rows nothing qualifies, ever.
+    window, recorded by a replica of a queue every live replica of which found it empty a
+    visibility timeout after it committed. Without events and ``outbox_intakes`` rows
+    nothing qualifies, ever.
 
     At most ``limit`` rows a call, oldest attempt first, read ``FOR UPDATE SKIP LOCKED``
     (``lock=False`` reads without locking, so tests can race two reconciles). Each is

@@ -1,11 +1,12 @@
 """The reconcile proof of a drained queue against replicas that do not share one view of it.
 
 A reconcile row's ambiguous send is requeued once the intake committed one of our Send
-events past its window and some replica found its queue empty more than a visibility
-timeout after that event. The proof reads every ``outbox_intakes`` row alike: a replica of
-another queue, or one whose peer holds the held send's own event in flight, proves a drained
-queue that was not, and the requeue sends the message a second time. Against moto's SQS, on
-SQLite, PostgreSQL and MariaDB. Stated as expected failures until the proof covers them.
+events past its window and every live replica of the queue that recorded it found that queue
+empty more than a visibility timeout after the event. These attacks once broke it: a replica
+of another queue, one whose peer holds the held send's own event in flight, a visibility
+timeout raised on the queue after start, a caught_up_at written while the database's clock
+ran ahead; each proved a drained queue that was not, and the requeue would send the message
+a second time. Against moto's SQS, on SQLite, PostgreSQL and MariaDB.
 """
 
 from __future__ import annotations
