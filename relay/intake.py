@@ -87,6 +87,7 @@ __all__ = [
     "apply_deferred",
     "apply_events",
     "build_client",
+    "default_intake_id",
     "find_by_provider_id",
     "find_by_tags",
     "insert_event",

@@ -58,6 +58,7 @@ from relay.ratelimit import Booking, merged
 __all__ = [
     "MAX_RECONCILE_AFTER",
     "OUTBOX_TABLES",
+    "RECEIVE_AFTER_HEARTBEAT",
     "AttemptRecord",
     "Claim",
     "Confirmed",
