@@ -322,6 +322,9 @@ class ScriptedQueue:
     def delete_message_batch(self, **_kw: object) -> dict[str, object]:
         return {}
 
+    def get_queue_attributes(self, **_kw: object) -> dict[str, object]:
+        return {"Attributes": {"VisibilityTimeout": "0"}}
+
 
 def test_an_intake_catching_up_on_a_backlog_never_gets_a_row_sent_twice(backend):
     window = 1.0
@@ -378,6 +381,7 @@ def test_an_intake_catching_up_on_a_backlog_never_gets_a_row_sent_twice(backend)
     intake = Intake(
         engine=backend.engine, client=ScriptedQueue(newer, [sns_body(ours)]), queue_url="q"
     )
+    intake.check_queue()  # its own row on queue q: the proof events name a replica of q
     assert intake.step() == MAX_MESSAGES  # a full batch: more is waiting
     reconcile(backend)  # a relay's sweep runs between two of the intake's batches
     second = FakeSender()
