@@ -32,7 +32,6 @@ from tests.reliability.ledger import (
     OUTBOX,
     PAUSED_SET,
     PAUSED_SET_WINDOW,
-    RECONCILE_AFTER,
     Summary,
     run,
 )
@@ -115,7 +114,8 @@ def truth(summary: Summary, count: int) -> Summary:
     assert summary.left_for_human == summary.unknown
     assert summary.events_recorded == summary.events_published  # a duplicate is recorded once
     assert summary.event_effects["malformed"] == summary.dead_letters == 0
-    assert summary.truth_seconds >= RECONCILE_AFTER  # the window had to run out
+    # (that each requeue waited out its window is the reconcile tests' to prove, per row: the
+    # window starts at each ambiguous send, during the chaos, not when the harness's wait does)
     return summary
 
 
