@@ -332,7 +332,7 @@ class FaultPlan:
 class SendRequest:
     """One ``SendEmail`` request as it arrived, and what the server did with it."""
 
-    at: float  # time.monotonic() when the whole request had arrived
+    at: float  # time.monotonic() when the request reached the server's socket (the door)
     wall: float  # time.time() at the same moment (to compare with timestamps in the database)
     kind: str  # "pass" or one of FAULTS
     outbox_id: int | None
@@ -343,6 +343,7 @@ class SendRequest:
     status: int | None = None  # the HTTP status moto answered (forwarded kinds), else None
     message_id: str | None = None  # moto's MessageId when moto accepted it
     signed_at: float | None = None  # the request's X-Amz-Date (epoch s): the client's clock
+    handled: float | None = None  # time.monotonic() when the server's thread got to it
 
     @property
     def accepted(self) -> bool:
@@ -382,6 +383,9 @@ def _signed_at(header: str | None) -> float | None:
         return None
 
 
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux; the module may not name it
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as botocore's connection pool expects
     server: _ProxyServer
@@ -389,11 +393,39 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
+    arrived: float | None = None  # time.time(): when this request's bytes reached the socket
+
     def setup(self) -> None:
         if isinstance(self.request, ssl.SSLSocket):
             self.request.do_handshake()  # here, not in the accepting thread
+        else:
+            self.request.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
         super().setup()
         self.server.track(self.connection, True)
+
+    def handle_one_request(self) -> None:
+        self.arrived = self._kernel_arrival()
+        super().handle_one_request()
+
+    def _kernel_arrival(self) -> float | None:
+        """When the next request's bytes reached this socket, by the kernel's receive stamp:
+        the door's own time, however long this process took to get to them (on a loaded
+        machine its threads wait for the CPU and the GIL). Peeks, so the request stays to
+        be read. None on TLS or a closed connection: then the thread's own time serves.
+        The clients here never pipeline, so nothing of the next request is buffered yet."""
+        if isinstance(self.connection, ssl.SSLSocket):
+            return None
+        try:
+            data, ancillary, _, _ = self.connection.recvmsg(
+                1, socket.CMSG_SPACE(16), socket.MSG_PEEK
+            )
+        except OSError:
+            return None
+        for level, kind, stamp in ancillary:
+            if data and level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+                seconds, nanoseconds = struct.unpack("qq", stamp[:16])
+                return seconds + nanoseconds / 1e9
+        return None
 
     def finish(self) -> None:
         try:
@@ -561,7 +593,7 @@ class FaultServer:
     def sends(self) -> list[SendRequest]:
         """Every SendEmail request that arrived, in arrival order."""
         with self._lock:
-            return list(self._sends)
+            return sorted(self._sends, key=lambda send: send.at)
 
     @property
     def ledger(self) -> list[SendRequest]:
@@ -616,7 +648,9 @@ class FaultServer:
             conn.close()
 
     def handle_send(self, handler: _Handler, body: bytes) -> None:
-        arrived, wall = time.monotonic(), time.time()
+        handled, now = time.monotonic(), time.time()
+        wall = handler.arrived if handler.arrived is not None else now
+        arrived = handled - max(0.0, now - wall)
         kind = self.plan.draw()
         if kind == "tls_corrupt" and not isinstance(handler.connection, ssl.SSLSocket):
             raise ValueError("tls_corrupt needs a FaultServer in TLS mode")
@@ -637,6 +671,7 @@ class FaultServer:
         send = SendRequest(
             at=arrived,
             wall=wall,
+            handled=handled,
             kind=kind,
             outbox_id=outbox_id,
             category=category,
