@@ -285,10 +285,10 @@ def test_a_fault_mix_loses_nothing_duplicates_only_resend_mail_and_keeps_the_rat
 # The fault server stamps each request with the kernel's receive time on its socket, not with
 # when its own thread got to it: on a loaded two-CPU machine this process's threads (moto's
 # among them) lag the socket by up to 0.27 s (measured), enough to crowd one window with
-# requests that arrived in two (a CI run once saw 117 at 90/s that way). What remains is the relays' own delay
-# after their slot check: 2-25 ms, more now and then, so a window may see rate x (1 + jitter).
-# Every request counts, accepted or refused: SES meters what is sent to it, and a throttled
-# request is still one the relay chose to send in that second.
+# requests that arrived in two (a CI run once saw 117 at 90/s that way). What remains is
+# the relays' own delay after their slot check: 2-25 ms, more now and then, so a window may
+# see rate x (1 + jitter). Every request counts, accepted or refused: SES meters what is
+# sent to it, and a throttled request is still one the relay chose to send in that second.
 TRANSIT_JITTER = 0.2
 
 
