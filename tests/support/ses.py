@@ -684,14 +684,15 @@ class FaultServer:
         )
         with self._lock:
             self._sends.append(send)
+        # SES took it: its events are queued before the answer leaves (queueing returns at once;
+        # the publisher's thread sends them), so a client that has its answer and then waits
+        # for the publisher (``events.flush``) finds them queued. Answered or not: hang, reset
+        # and tls_corrupt never answer, and a client gone before the answer changes nothing.
+        self._publish_events(send)
         if kind == "pass":
             assert answer is not None
-            try:
-                handler._relay(*answer)
-            finally:  # after the answer, and even when the client is gone: SES took it
-                self._publish_events(send)
+            handler._relay(*answer)
             return
-        self._publish_events(send)  # hang, reset, tls_corrupt: SES took it, no answer will come
         if kind == "hang":
             handler._hang(self.plan.hang_seconds)
         elif kind in ("reset", "reset_before"):
