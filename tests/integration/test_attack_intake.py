@@ -1,9 +1,9 @@
-"""Hostile and unlucky inputs against the event intake, each a way the intake breaks one of the
-outbox's promises today: nothing committed is silently lost, nothing is sent twice
+"""Hostile and unlucky inputs against the event intake, each a way the intake once broke one of
+the outbox's promises: nothing committed is silently lost, nothing is sent twice
 automatically, and bad input never crashes nor loses a queue message.
 
-Each test states what must hold and is marked ``xfail(strict=True)`` until the mechanism it
-names is fixed; an unexpected pass then fails the suite so the mark is removed. Events are
+Each test states what must hold; each failed against the intake it was written for and passes
+since the mechanism it names was fixed, so a regression of that mechanism fails it. Events are
 AWS's documented examples (``tests/fixtures/ses_events``), read by the intake's own parser and
 applied with ``apply_events`` the way the loop does; sends go through an in-process relay.
 """
