@@ -3,6 +3,7 @@ environment variable (shown in ``--help``)."""
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import logging
 import os
@@ -30,6 +31,7 @@ from relay.cli_options import (
     safe_url,
 )
 from relay.config import EVENTS_WAIT_RANGE, IntakeConfig, RelayConfig
+from relay.db import READ_TIMEOUT
 from relay.http import Server, start_http_server
 from relay.intake import Intake
 from relay.metrics import IntakeMetrics, RelayMetrics
@@ -63,6 +65,20 @@ class _Commands(click.Group):
 @click.version_option(package_name="sqlalchemy-outbox")
 def main() -> None:
     """Deliver the outbox, and operate it."""
+    _dump_stacks_on_sigusr1()
+
+
+def _dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's stack to the process's stderr: what a relay
+    that will not drain is waiting on, without stopping it. Not where stderr is no file (a
+    command invoked in-process, as tests do)."""
+    stderr = sys.__stderr__
+    if stderr is None:
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return
 
 
 for _command in admin.COMMANDS:
@@ -311,7 +327,7 @@ def run(**options: Any) -> None:
     }
     config = RelayConfig(**options)  # a ConfigurationError is one line (see _Commands)
     sender = build_sender(config.sender, config, sender_options)
-    engine = open_engine(config.database_url)
+    engine = open_engine(config.database_url, read_timeout=READ_TIMEOUT)
     relay = Relay(engine=engine, sender=sender, config=config)
     intake = (
         None
@@ -480,7 +496,7 @@ def events(**options: Any) -> None:
     config = IntakeConfig(
         queue_url=options["events_queue_url"], wait_seconds=options["wait_seconds"]
     )
-    engine = open_database(options["database_url"])
+    engine = open_database(options["database_url"], read_timeout=READ_TIMEOUT)
     try:
         intake = _open_intake(config, engine, exit_when_idle=options["exit_when_idle"])
         server = None

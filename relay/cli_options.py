@@ -72,9 +72,11 @@ def safe_url(engine: sa.Engine) -> str:
     return engine.url.render_as_string(hide_password=True)
 
 
-def open_engine(url: str) -> sa.Engine:
+def open_engine(url: str, *, read_timeout: float | None = None) -> sa.Engine:
     """The relay's engine for ``url``. It does not connect; a URL that cannot work (malformed,
-    unknown dialect, driver not installed) is a :class:`StartupError` naming the fix."""
+    unknown dialect, driver not installed) is a :class:`StartupError` naming the fix.
+    ``read_timeout``: see :func:`relay.db.make_engine`; the long-running commands (``run``,
+    ``events``) pass ``READ_TIMEOUT``, an operator's command or a migration None."""
     try:
         parsed = sa.make_url(url)
     except (ArgumentError, ValueError) as exc:
@@ -83,7 +85,7 @@ def open_engine(url: str) -> sa.Engine:
             f"dialect+driver://user:password@host:port/database, such as {URL_FORMS}"
         ) from None
     try:
-        engine = make_engine(parsed)
+        engine = make_engine(parsed, read_timeout=read_timeout)
     except NoSuchModuleError:
         raise StartupError(_unknown_dialect(parsed)) from None
     except ImportError as exc:
@@ -171,10 +173,10 @@ def check_schema(engine: sa.Engine) -> None:
     )
 
 
-def open_database(url: str) -> sa.Engine:
+def open_database(url: str, *, read_timeout: float | None = None) -> sa.Engine:
     """The engine of an operator command: connected once and its schema checked, so every
     start-up problem is one line with exit code 2 instead of a traceback mid-command."""
-    engine = open_engine(url)
+    engine = open_engine(url, read_timeout=read_timeout)
     try:
         check_file_exists(engine)
         check_connection(engine)

@@ -6,14 +6,18 @@ from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["CONNECT_TIMEOUT", "READ_COMMITTED", "make_engine"]
+__all__ = ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine"]
 
 READ_COMMITTED = "READ COMMITTED"
 CONNECT_TIMEOUT = 10  # seconds; see make_engine
+READ_TIMEOUT = 30  # seconds; see make_engine
 _TIMEOUT_DRIVERS = frozenset({"psycopg", "psycopg2", "pymysql", "mysqldb"})
+_READ_TIMEOUT_DRIVERS = frozenset({"pymysql", "mysqldb"})
 
 
-def make_engine(url: str | sa.URL, **options: Any) -> sa.Engine:
+def make_engine(
+    url: str | sa.URL, *, read_timeout: float | None = READ_TIMEOUT, **options: Any
+) -> sa.Engine:
     """An engine for the relay (or any code running relay statements).
 
     On MySQL/MariaDB it runs at READ COMMITTED: under InnoDB's default REPEATABLE READ the claim
@@ -25,15 +29,29 @@ def make_engine(url: str | sa.URL, **options: Any) -> sa.Engine:
     ``connect_timeout``: libpq would otherwise wait for the kernel (about two minutes on Linux)
     on a database host that drops packets, and the loop, stuck that long, would fail
     ``/healthz`` and get the relay restarted for an outage a restart cannot fix.
+
+    On MySQL/MariaDB every read and write of a connection gives up after ``read_timeout``
+    seconds (``READ_TIMEOUT``; None: never) unless the URL sets its own ``read_timeout`` and
+    ``write_timeout``. The MySQL drivers bound only the TCP connect otherwise: a server that
+    accepts and never sends its handshake, or a connection that goes silent mid-statement (a
+    network that drops packets, a proxy that stops forwarding), would hold the loop forever,
+    and with it the drain a SIGTERM asks for. The relay's statements take milliseconds; one
+    cut short fails like a lost connection (the loop backs off and reconnects). An operator's
+    command or a migration, whose statements may legitimately run long, passes None.
     """
     parsed = sa.make_url(url)
     if parsed.get_backend_name() in ("mysql", "mariadb"):
         options.setdefault("isolation_level", READ_COMMITTED)
-    if parsed.get_driver_name() in _TIMEOUT_DRIVERS and "connect_timeout" not in parsed.query:
-        options["connect_args"] = {
-            "connect_timeout": CONNECT_TIMEOUT,
-            **options.get("connect_args", {}),
-        }
+    driver = parsed.get_driver_name()
+    defaults: dict[str, Any] = {}
+    if driver in _TIMEOUT_DRIVERS and "connect_timeout" not in parsed.query:
+        defaults["connect_timeout"] = CONNECT_TIMEOUT
+    if read_timeout is not None and driver in _READ_TIMEOUT_DRIVERS:
+        for name in ("read_timeout", "write_timeout"):
+            if name not in parsed.query:
+                defaults[name] = read_timeout
+    if defaults:
+        options["connect_args"] = {**defaults, **options.get("connect_args", {})}
     options.setdefault("pool_pre_ping", True)
     options.setdefault("pool_recycle", 1800)
     return sa.create_engine(url, **options)
