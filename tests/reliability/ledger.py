@@ -141,7 +141,7 @@ from outbox.schema import (
     relays,
     suppressions,
 )
-from relay.db import make_engine
+from relay.db import READ_TIMEOUT, make_engine
 from relay.store import RECEIVE_AFTER_HEARTBEAT
 from relay.testing import read_deliveries
 from tests.support.clocks import shifted
@@ -594,10 +594,18 @@ class Fleet:
     def running(self) -> list[RelayProc]:
         return [p for p in self.started if p.popen.poll() is None]
 
-    def stop_all(self, summary: Summary, engine: sa.Engine, timeout: float = 30) -> None:
+    def stop_all(
+        self,
+        summary: Summary,
+        engine: sa.Engine,
+        timeout: float = SEND_TIMEOUT + 1 + 2 * READ_TIMEOUT,
+    ) -> None:
         """SIGTERM every running relay once each has registered: a relay signalled while
         Python is still importing has no handler yet and dies of the signal (it holds nothing
-        then, but a drain is what this checks)."""
+        then, but a drain is what this checks). Each must exit within its drain (the relays'
+        ``--drain-seconds``) and two database read timeouts: a statement under way when the
+        signal came and the one that deregisters it, each on a connection that may have gone
+        silent in a fault."""
 
         def all_registered() -> bool:
             with engine.connect() as conn:
@@ -775,8 +783,11 @@ class DatabaseProxy:
                 client, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as exc:  # one failed accept ends nothing but that connection
+                if self._stopping.is_set():
+                    return
+                self.errors.append(f"accept: {exc}")
+                continue
             with self._lock:
                 refusing = self._refusing
             if refusing:
@@ -792,7 +803,14 @@ class DatabaseProxy:
             server.settimeout(None)
             pair = (client, server)
             with self._lock:
-                self._pairs.add(pair)
+                refusing = self._refusing  # a cut while connecting upstream drops this one too
+                if not refusing:
+                    self._pairs.add(pair)
+            if refusing:
+                self.refused += 1
+                _reset(client)
+                _reset(server)
+                continue
             for src, dst in (pair, pair[::-1]):
                 threading.Thread(
                     target=self._pump, args=(src, dst, pair), name="db-proxy-pump", daemon=True

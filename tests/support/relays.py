@@ -98,10 +98,14 @@ class RelayProc:
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"relay {self.relay_id} still running after {timeout}s; its log:\n"
-                + self.output()[-4000:]
-            ) from None
+            pass
+        # every thread's stack, so the failure says what it waits on (relay.cli's SIGUSR1)
+        self.popen.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        raise AssertionError(
+            f"relay {self.relay_id} still running after {timeout}s; its log:\n"
+            + self.output()[-12000:]
+        )
 
 
 def spawn(
