@@ -82,7 +82,7 @@ EXPORTS = {
         "sender_from_env",
     ],
     "relay.worker": ["STUCK_RETRY", "Relay"],
-    "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "make_engine"],
+    "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine"],
     "relay.http": ["Server", "start_http_server"],
     "relay.metrics": [
         "CLAIM_BUCKETS",
