@@ -21,7 +21,7 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -1779,7 +1779,14 @@ _LIVE_STATES = (RelayState.RUNNING, RelayState.PAUSED, RelayState.DRAINING)
 
 
 def register(
-    conn: sa.Connection, *, relay_id: str, host: str, pid: int, now: datetime, dead_after: float
+    conn: sa.Connection,
+    *,
+    relay_id: str,
+    host: str,
+    pid: int,
+    now: datetime,
+    dead_after: float,
+    unseen: Collection[datetime] = (),
 ) -> RelayHolder | None:
     """register -- Announce a relay, unless a live relay already holds its id.
 
@@ -1789,6 +1796,11 @@ def register(
     UPDATE, so of two relays starting with the same id at once only one takes a dead row;
     two inserting a new id at once make the later insert fail on the key (an
     ``IntegrityError``: look again).
+
+    ``unseen``: the ``started_at`` values of earlier registers of this very process (``host``,
+    ``pid``) whose commit it did not see (the connection was lost or timed out at COMMIT). A
+    row that carries one of them is this process's own, and is taken over like a dead one:
+    otherwise the relay would take its own live row for another relay's and stop.
     """
     values = {
         "host": host,
@@ -1800,6 +1812,11 @@ def register(
     dead = sa.or_(
         relays.c.state.not_in(_LIVE_STATES),
         relays.c.heartbeat_at < now - timedelta(seconds=dead_after),
+        sa.false()
+        if not unseen
+        else sa.and_(
+            relays.c.host == host, relays.c.pid == pid, relays.c.started_at.in_(list(unseen))
+        ),
     )
     take = sa.update(relays).where(relays.c.relay_id == relay_id, dead).values(values)
     taken = conn.execute(take)

@@ -181,6 +181,9 @@ class Relay:
         # the send budget all relays share; without --max-send-rate it is never touched
         self.limiter = SendBudget(self.rate, clock=lambda: self.clock())
         self._registered_at: datetime | None = None  # started_at of the row this relay holds
+        # started_at of each register whose commit this relay did not see (a lost or timed-out
+        # COMMIT may have applied): a row carrying one is its own, not another relay's
+        self._unseen_registers: list[datetime] = []
         self._wake = threading.Event()
         self._stopping = threading.Event()
         # twice the concurrency: a call hung past --send-timeout keeps its thread, but not its
@@ -1037,14 +1040,7 @@ class Relay:
         with self._transaction() as conn:
             if self._holds_row(conn, now):
                 return None  # registered already (a heartbeat before run() did it)
-            holder = store.register(
-                conn,
-                relay_id=self.relay_id,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                now=now,
-                dead_after=3 * self.config.heartbeat_interval,
-            )
+            holder = self._register_row(conn, now)
             if holder is not None:
                 return holder
             if conn.dialect.name in ("mysql", "mariadb"):
@@ -1057,7 +1053,24 @@ class Relay:
                         extra={"action": "isolation_level"},
                     )
         self._registered_at = now
+        self._unseen_registers.clear()
         return None
+
+    def _register_row(self, conn: sa.Connection, now: datetime) -> store.RelayHolder | None:
+        """``store.register`` in the caller's transaction; ``now`` is remembered as unseen
+        until the caller saw that transaction commit."""
+        holder = store.register(
+            conn,
+            relay_id=self.relay_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            now=now,
+            dead_after=3 * self.config.heartbeat_interval,
+            unseen=tuple(self._unseen_registers),
+        )
+        if holder is None:
+            self._unseen_registers = [*self._unseen_registers[-15:], now]
+        return holder
 
     def _heartbeat(self, now: datetime) -> None:
         """Show this relay alive on its row. If the row is gone, register again; if another
@@ -1069,19 +1082,13 @@ class Relay:
         with self._transaction() as conn:
             mine = self._holds_row(conn, now)
             if not mine:
-                holder = store.register(
-                    conn,
-                    relay_id=self.relay_id,
-                    host=socket.gethostname(),
-                    pid=os.getpid(),
-                    now=now,
-                    dead_after=3 * self.config.heartbeat_interval,
-                )
+                holder = self._register_row(conn, now)
         self._last_heartbeat = time.monotonic()
         if mine:
             return
         if holder is None:
             self._registered_at = now
+            self._unseen_registers.clear()
             return
         self._registered_at = None
         _log.error(

@@ -9,6 +9,7 @@ tests read and write the database directly, never through it."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 import threading
@@ -16,12 +17,14 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from relay import cli
+from outbox.schema import relays
+from relay import cli, store
 from relay.cli_options import open_database, open_engine
 from relay.db import READ_TIMEOUT, make_engine
 from relay.testing import FakeSender
@@ -300,3 +303,63 @@ def test_a_sigterm_while_the_database_is_silent_drains_and_exits(mysql_backend, 
     assert took < 3 + 4 * 2 + 5
     assert set(fleet.deliveries().values()) == {1}
     assert len(fleet.deliveries()) == 3
+
+
+def test_a_register_whose_commit_the_relay_did_not_see_is_taken_as_its_own(
+    server_backend, monkeypatch
+):
+    """The COMMIT of the relay's register applies, but the relay sees an error (a read timeout
+    or a lost connection at COMMIT). Its next heartbeat finds a live row under its id, with its
+    own host and pid: that row is its own (the started_at it wrote), taken over, not another
+    relay's. Before, the relay stopped itself ("taken over by a relay on host ... (pid <its
+    own>)") and left the row marked running, so a restart was refused for three heartbeats."""
+    backend = server_backend
+    ids = enqueue(backend.engine, 3)
+    engine = make_engine(backend.url)
+    armed: set[int] = set()
+    fired: list[str] = []
+    register = store.register
+
+    def registering(conn: sa.Connection, **kw: Any) -> Any:
+        holder = register(conn, **kw)
+        if not fired and holder is None:
+            armed.add(id(conn.connection))  # what do_commit is handed
+        return holder
+
+    commit = engine.dialect.do_commit
+
+    def lost_after_commit(dbapi_connection: Any) -> None:
+        commit(dbapi_connection)
+        if id(dbapi_connection) in armed:
+            armed.clear()
+            fired.append("register")
+            raise engine.dialect.loaded_dbapi.OperationalError("lost at COMMIT (test)")
+
+    monkeypatch.setattr(store, "register", registering)
+    monkeypatch.setattr(engine.dialect, "do_commit", lost_after_commit)
+    sender = FakeSender()
+    relay = relay_for(None, sender, engine=engine, url=backend.url, relay_id="unseen-register")
+    try:
+        with running(relay):
+            wait_for(
+                lambda: Counter(statuses(backend.engine).values()) == {"sent": 3},
+                what="every message sent",
+            )
+            time.sleep(3 * relay.config.heartbeat_interval)  # heartbeats after the register
+            assert fired == ["register"]
+            assert not relay._stopping.is_set(), "the relay took its own row for another's"
+            with backend.engine.connect() as conn:
+                row = conn.execute(
+                    sa.select(relays.c.host, relays.c.pid, relays.c.state).where(
+                        relays.c.relay_id == "unseen-register"
+                    )
+                ).one()
+            assert (row.host, row.pid, row.state) == (socket.gethostname(), os.getpid(), "running")
+    finally:
+        engine.dispose()
+    assert sorted(sender.sent_ids) == sorted(ids)
+    with backend.engine.connect() as conn:
+        state = conn.execute(
+            sa.select(relays.c.state).where(relays.c.relay_id == "unseen-register")
+        ).scalar_one()
+    assert state == "stopped"
