@@ -5,7 +5,6 @@ from outbox.enqueue import NOTIFY_CHANNEL, EnqueueResult
 from outbox.exceptions import (
     ConfigurationError,
     EnqueueError,
-    EnqueueNotWritten,
     HeaderInjection,
     InvalidAddress,
     InvalidArgument,
@@ -30,7 +29,6 @@ __all__ = [
     "DeliveryStatus",
     "Email",
     "EnqueueError",
-    "EnqueueNotWritten",
     "EnqueueResult",
     "HeaderInjection",
     "InvalidAddress",

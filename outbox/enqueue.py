@@ -1,7 +1,7 @@
 """The savepoint-guarded insert of outbox rows on the caller's connection.
 
-Every row a session has buffered is written at its flush, in one batch under one SAVEPOINT on
-the connection the caller's transaction already uses. A duplicate idempotency key never aborts
+Each ``enqueue`` (or ``enqueue_many`` batch) is written at once under one SAVEPOINT on the
+connection the caller's transaction already uses. A duplicate idempotency key never aborts
 the caller's transaction: it is reported as ``duplicate=True`` with the existing row's id. Any
 other error rolls back only the savepoint (none of the batch is written) and propagates as
 itself. The savepoint is opened on the Core connection, not through
@@ -47,6 +47,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -55,7 +56,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from outbox.category import Category
-from outbox.exceptions import EnqueueNotWritten, InvalidArgument, InvalidKey, MessageTooLarge
+from outbox.exceptions import InvalidArgument, InvalidKey, MessageTooLarge
 from outbox.message import Email
 from outbox.schema import Status, messages
 
@@ -156,76 +157,16 @@ _max_packet: weakref.WeakKeyDictionary[sa.Engine, int] = weakref.WeakKeyDictiona
 _inserted: weakref.WeakKeyDictionary[sa.RootTransaction, set[str]] = weakref.WeakKeyDictionary()
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EnqueueResult:
-    """What ``enqueue`` did, for the email with idempotency ``key``.
-
-    The row is written at the session's next flush (an explicit ``flush()``, an autoflush, a
-    ``begin_nested()``, the commit); ``id`` and ``duplicate`` are known from then on. Reading
-    either before that flushes the session, as reading a new ORM object's primary key does
-    (with an ``AsyncSession``, ``await session.flush()`` first). ``duplicate`` is True when the
-    key existed and nothing was written; ``id`` is then the existing row's. If the row is never
-    written (its transaction rolled back first, or the write failed), reading them raises
-    :class:`~outbox.exceptions.EnqueueNotWritten`.
+    """What ``enqueue`` wrote, for the email with idempotency ``key``: the row's ``id``, and
+    ``duplicate`` True when the key existed and nothing was written (``id`` is then the
+    existing row's). The row is in the caller's transaction: it commits or rolls back with it.
     """
 
-    __slots__ = ("_duplicate", "_failure", "_id", "_resolve", "key")
-
-    def __init__(
-        self,
-        *,
-        key: str,
-        id: int | None = None,
-        duplicate: bool = False,
-        resolve: Callable[[EnqueueResult], None] | None = None,
-    ) -> None:
-        self.key = key
-        self._id = id
-        self._duplicate = duplicate
-        self._resolve = None if id is not None else resolve
-        self._failure: str | None = None
-
-    @property
-    def id(self) -> int:
-        return self._written()[0]
-
-    @property
-    def duplicate(self) -> bool:
-        return self._written()[1]
-
-    @property
-    def written(self) -> bool:
-        """Whether the row is written (or found as a duplicate); reading this never flushes."""
-        return self._id is not None
-
-    def _settle(self, id: int, duplicate: bool) -> None:
-        """Record what the write did (called by the session's flush)."""
-        self._id, self._duplicate, self._resolve = id, duplicate, None
-
-    def _fail(self, reason: str) -> None:
-        """Record that the row will never be written, and why."""
-        if self._id is None:
-            self._failure, self._resolve = reason, None
-
-    def _undo(self, reason: str) -> None:
-        """Record that the row written was rolled back, and why."""
-        self._id, self._failure, self._resolve = None, reason, None
-
-    def _pend(self, resolve: Callable[[EnqueueResult], None]) -> None:
-        """Record that the row is buffered again, to be written by ``resolve``."""
-        self._id, self._failure, self._resolve = None, None, resolve
-
-    def _written(self) -> tuple[int, bool]:
-        if self._id is None and self._resolve is not None:
-            self._resolve(self)
-        if self._id is None:
-            raise EnqueueNotWritten(self.key, self._failure or "it was never written")
-        return self._id, self._duplicate
-
-    def __repr__(self) -> str:
-        if self._id is None:
-            state = f"not written: {self._failure}" if self._failure else "pending"
-            return f"EnqueueResult(key={self.key!r}, {state})"
-        return f"EnqueueResult(key={self.key!r}, id={self._id}, duplicate={self._duplicate})"
+    key: str
+    id: int
+    duplicate: bool
 
 
 def new_key() -> str:

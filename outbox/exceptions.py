@@ -14,7 +14,6 @@ errors of configuration::
     │   ├── InvalidArgument          a bad enqueue option; ``.field`` names it
     │   │   └── InvalidKey           idempotency key empty or too long
     │   └── UnknownCategory          the category is not configured on the Outbox
-    ├── EnqueueNotWritten            an EnqueueResult read whose row was never written
     └── ConfigurationError           a bad option on Outbox or the relay; ``.setting`` names it
 
 ``InvalidEmail`` and its children are also ``ValueError`` so generic validation code catches
@@ -26,7 +25,6 @@ from __future__ import annotations
 __all__ = [
     "ConfigurationError",
     "EnqueueError",
-    "EnqueueNotWritten",
     "HeaderInjection",
     "InvalidAddress",
     "InvalidArgument",
@@ -97,20 +95,6 @@ class UnknownCategory(EnqueueError, LookupError):
         super().__init__(
             f"category: {category!r} is not configured (known: {', '.join(sorted(known))})"
         )
-
-
-class EnqueueNotWritten(OutboxError):
-    """``id`` or ``duplicate`` of an :class:`~outbox.EnqueueResult` was read, but its row is
-    not written: the transaction or savepoint it was enqueued in was rolled back before the
-    session flushed, the write failed (``reason`` names the error, which was raised by the flush
-    or commit), or, with an ``AsyncSession``, the session has not flushed yet
-    (``await session.flush()`` writes it).
-    """
-
-    def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        self.reason = reason
-        super().__init__(f"the email with key {key!r} is not written: {reason}")
 
 
 class ConfigurationError(OutboxError, ValueError):

@@ -1,24 +1,21 @@
 """The app-side entry point: :class:`Outbox` enqueues email in the caller's session transaction
 and runs declarative rules from SQLAlchemy session events.
 
-``enqueue`` touches no database: it validates the email, builds its row and buffers it in the
-session, noting the transaction or savepoint it was enqueued in. The session's next flush
-writes every buffered row in one batch (one statement on PostgreSQL and SQLite) under one
-savepoint. While rows are buffered, a placeholder object sits among the session's new objects,
-so the session is never "clean" and every flush runs: an explicit ``flush()``, an autoflush
-before a query, the flush ``begin_nested()`` does before its SAVEPOINT, and the commit's.
-Listeners on every ``Session`` (installed when this module is imported, ahead of the app's
-own) write the buffer before each flush and commit, taking the placeholder out before the ORM
-or the app sees it; after a rollback they drop the rows buffered in the rolled-back
-transaction or savepoint and unclaim the results of rows written there. Rules write their rows
-at the end of the flush that made them. A session bound to a Connection writes at once: its
-app may commit that connection's transaction without ever committing the session.
+``enqueue`` writes at once, in the session's current transaction or savepoint, on the
+connection the session itself would use for an INSERT into the outbox table: the session's
+``get_bind`` is asked with that table's INSERT as the clause (plus any ``bind_arguments`` the
+caller names), so read/write routing and sharding send it where they send the app's own
+INSERTs. It leaves nothing in the session's state: no object in ``session.new``, no mapped
+class, nothing in ``session.info``, no listener, so the app's listeners, lifecycle events and
+generic code over the session never meet it. A transaction integration that commits only a
+session it saw change (zope.sqlalchemy) is told that it changed. Rules write their rows in
+the ``after_flush`` hook :meth:`Outbox.install` adds where the app's sessions come from.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -26,32 +23,14 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
-from sqlalchemy.orm import (
-    Session,
-    SessionTransaction,
-    UOWTransaction,
-    registry,
-    scoped_session,
-    sessionmaker,
-)
+from sqlalchemy.ext.horizontal_shard import ShardedSession
+from sqlalchemy.orm import Session, UOWTransaction, scoped_session, sessionmaker
 from sqlalchemy.util.concurrency import in_greenlet
 
 from outbox import signals
 from outbox.category import DEFAULT_CATEGORIES, Category
-from outbox.enqueue import (
-    PACKET_CHECK_FROM,
-    EnqueueResult,
-    build_row,
-    check_key,
-    check_packet_size,
-    insert_messages,
-)
-from outbox.exceptions import (
-    ConfigurationError,
-    EnqueueNotWritten,
-    InvalidArgument,
-    UnknownCategory,
-)
+from outbox.enqueue import EnqueueResult, build_row, check_key, insert_messages
+from outbox.exceptions import ConfigurationError, InvalidArgument, UnknownCategory
 from outbox.message import Email
 from outbox.schema import messages, utcnow
 
@@ -61,10 +40,9 @@ _T = TypeVar("_T")
 _RuleFunction = Callable[[Any], Email | None]
 _SessionTarget = sessionmaker[Any] | async_sessionmaker[Any] | type[Session] | type[AsyncSession]
 
-_BIND_ARGS = {"clause": messages}
-_BUFFER = "outbox.buffer"  # session.info: the entries buffered for the next flush
-_MARKER = "outbox.marker"  # session.info: the session's placeholder object
-_WRITTEN = "outbox.written"  # session.info: (transaction, entry) written, not yet committed
+# The clause the session's get_bind is asked with: an INSERT into the outbox table, as the
+# app's own INSERTs are (routing recipes send those to the writer).
+_INSERT = sa.insert(messages)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,199 +53,110 @@ class _Entry:
     row: dict[str, Any]
     email: Email
     category: Category
-    result: EnqueueResult
-    generated: bool = False  # its key came from new_key(): no other transaction can have it
-    transaction: SessionTransaction | None = None  # innermost at enqueue: root or savepoint
-    same_as: EnqueueResult | None = None  # an earlier entry of the same batch with this key
+    generated: bool  # its key came from new_key(): no other transaction can have it
 
 
-class _Marker:
-    """The placeholder that keeps a session with buffered rows from looking clean (see the
-    module's docstring). It is mapped to a table that does not exist, so if it ever reached
-    the ORM's own flush, that flush would fail loudly instead of writing anything."""
-
-
-_placeholders = registry()
-_placeholders.map_imperatively(
-    _Marker,
-    sa.Table(
-        "outbox_pending_placeholder",
-        _placeholders.metadata,
-        sa.Column("id", sa.Integer, primary_key=True),
-    ),
-)
-
-
-def _innermost(session: Session) -> SessionTransaction | None:
-    return session.get_nested_transaction() or session.get_transaction()
-
-
-def _within(transaction: SessionTransaction | None, ended: SessionTransaction) -> bool:
-    """Whether ``transaction`` is ``ended`` or was begun inside it."""
-    while transaction is not None:
-        if transaction is ended:
-            return True
-        transaction = transaction.parent
-    return False
-
-
-def _mark(session: Session) -> None:
-    """Put the placeholder among the session's new objects (again, if it was expunged)."""
-    marker = session.info.get(_MARKER)
-    if marker is None:
-        marker = session.info[_MARKER] = _Marker()
-    state = sa.inspect(marker)
-    if not (state.pending and state.session is session):
-        session.add(marker)  # also begins the session's transaction if it had none
-
-
-def _unmark(session: Session) -> None:
-    marker = session.info.get(_MARKER)
-    if marker is not None:
-        state = sa.inspect(marker)
-        if state.pending and state.session is session:
-            session.expunge(marker)
-
-
-def _write_buffered(session: Session) -> None:
-    """Write the session's buffered rows now, and take the placeholder out of the session."""
-    entries = session.info.pop(_BUFFER, None)
-    _unmark(session)
-    if entries:
-        _write(session, entries)
-
-
-def _before_flush(session: Session, flush_context: UOWTransaction, instances: object) -> None:
-    _write_buffered(session)
-
-
-def _before_commit(session: Session) -> None:
-    """Also at the commit (and a savepoint's release): the placeholder may be gone (an
-    ``expunge_all()``) while the rows are still the transaction's to write."""
-    _write_buffered(session)
-
-
-def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
-    """Drop what a rollback undid: rows buffered in the rolled-back transaction or savepoint
-    are never written, rows written there stop being claimed by their results. A row enqueued
-    outside the savepoint but written inside it (its placeholder had been expunged) goes back
-    to the buffer, to be written again in the transaction it belongs to."""
-    boundary: SessionTransaction | None = previous_transaction
-    while boundary is not None and not (boundary.parent is None or boundary.nested):
-        boundary = boundary.parent  # a flush's subtransaction rolls back its savepoint or root
-    if boundary is None:
-        return
-    kept = []
-    for entry in session.info.get(_BUFFER, []):
-        if _within(entry.transaction, boundary):
-            entry.result._fail("the transaction or savepoint it was enqueued in was rolled back")
-        else:
-            kept.append(entry)
-    written: list[tuple[SessionTransaction | None, _Entry]] = session.info.get(_WRITTEN, [])
-    still = []
-    for write_transaction, entry in written:
-        if not _within(write_transaction, boundary):
-            still.append((write_transaction, entry))
-        elif _within(entry.transaction, boundary):
-            entry.result._undo("it was written, then its transaction or savepoint was rolled back")
-        else:
-            entry.result._undo("its write was rolled back with a savepoint; it is buffered again")
-            entry.result._pend(_resolver(session))
-            kept.append(entry)
-    written[:] = still
-    if kept:
-        session.info[_BUFFER] = kept
-        if session.is_active:
-            _mark(session)
-    else:
-        session.info.pop(_BUFFER, None)
-        _unmark(session)
-
-
-def _after_commit(session: Session) -> None:
-    if session.get_nested_transaction() is None:  # the root committed: its rows are for good
-        session.info.pop(_WRITTEN, None)
-
-
-def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    """The root transaction is over (committed, rolled back or closed): nothing buffered or
-    written in it can be written or kept any more."""
-    if transaction.parent is not None:
-        return
-    _unmark(session)
-    for entry in session.info.pop(_BUFFER, []):
-        entry.result._fail("its transaction was rolled back or closed before it was written")
-    for _, entry in session.info.pop(_WRITTEN, []):
-        entry.result._undo("its transaction was rolled back or closed without a commit")
-
-
-for _name, _listener in (
-    ("before_flush", _before_flush),
-    ("before_commit", _before_commit),
-    ("after_soft_rollback", _after_soft_rollback),
-    ("after_commit", _after_commit),
-    ("after_transaction_end", _after_transaction_end),
-):
-    # insert=True: ahead of the app's own listeners, which then never see the placeholder
-    event.listen(Session, _name, _listener, insert=True)
-
-
-def _write(session: Session, entries: list[_Entry]) -> None:
-    """Write ``entries`` in one batch on the session's connection and settle their results;
-    on any error none is written, each result says why, and the error propagates."""
-    entries = _deduplicated(entries)
-    fresh = [entry for entry in entries if entry.same_as is None]
-    try:
-        conn = session.connection(bind_arguments=_BIND_ARGS)
-        transaction = _innermost(session)
-        for entry in entries:  # written at once: enqueued where they are written
-            entry.transaction = entry.transaction or transaction
-        written = insert_messages(
-            conn,
-            [e.row for e in fresh],
-            [e.email for e in fresh],
-            fresh={e.result.key for e in fresh if e.generated},
+def _connection(session: Session, bind_arguments: Mapping[str, Any] | None) -> sa.Connection:
+    """The connection, in the session's transaction, that an INSERT into the outbox table
+    would use; refuse one that cannot hold the email atomically with the app's changes."""
+    arguments = {"clause": _INSERT, **(bind_arguments or {})}
+    bind = arguments.pop("bind", None)
+    if bind is None:
+        if isinstance(session, ShardedSession) and not (
+            arguments.get("shard_id") is not None or arguments.get("instance") is not None
+        ):
+            raise InvalidArgument(
+                "bind_arguments",
+                "a ShardedSession cannot choose a shard for the outbox table by itself; name "
+                "it: bind_arguments={'shard_id': ...} (or {'instance': obj} to follow obj)",
+            )
+        bind = session.get_bind(**arguments)  # no bind for the table raises here
+    if bind.dialect.is_async and not in_greenlet():
+        raise TypeError(
+            "enqueue() got a Session on an async driver outside `run_sync` (an "
+            "AsyncSession's sync_session?); use `await ob.enqueue_async(session, email, "
+            "...)` with the AsyncSession, or call enqueue() inside `await "
+            "session.run_sync(...)`"
         )
-    except BaseException as exc:
-        for entry in entries:
-            entry.result._fail(f"its write failed: {type(exc).__name__}: {exc}")
-        raise
-    for entry, (new_id, duplicate) in zip(fresh, written, strict=True):
-        entry.result._settle(new_id, duplicate)
-    record = session.info.setdefault(_WRITTEN, [])
-    for entry in entries:
-        if entry.same_as is not None:
-            entry.result._settle(entry.same_as.id, True)
-        result = entry.result
-        record.append((transaction, entry))
+    transaction = session.get_nested_transaction() or session.get_transaction()
+    if transaction is not None and not transaction.is_active:
+        raise sa.exc.InvalidRequestError(
+            "enqueue() on a session whose transaction or savepoint is no longer active "
+            "(committed, or rolled back by a failed flush): the email would not be part of "
+            "it; roll it back, or enqueue in the next transaction"
+        )
+    conn = session.connection(bind_arguments={"bind": bind})
+    if _autocommits(conn):
+        raise ConfigurationError(
+            "isolation_level",
+            "the session's connection for the outbox table is in AUTOCOMMIT, so the email "
+            "would commit on its own, without the rest of the transaction; enqueue on an "
+            "engine or connection with a transactional isolation level",
+        )
+    _mark_changed(session)
+    return conn
+
+
+def _autocommits(conn: sa.Connection) -> bool:
+    """Whether every statement on ``conn`` commits by itself (``isolation_level="AUTOCOMMIT"``
+    on the connection or its engine): the transaction the session shows is not real there."""
+    level = conn.get_execution_options().get("isolation_level")
+    if level is None:
+        level = getattr(conn.dialect, "_on_connect_isolation_level", None)
+    return level == "AUTOCOMMIT"
+
+
+def _mark_changed(session: Session) -> None:
+    """Tell zope.sqlalchemy, if it manages ``session``, that the session wrote: its transaction
+    manager commits only sessions it saw change, and our Core INSERT is not an ORM write it
+    sees. The session's own ``ZopeTransactionEvents`` is used, so its settings hold."""
+    datamanager = sys.modules.get("zope.sqlalchemy.datamanager")
+    if datamanager is None:
+        return
+    for listener in session.dispatch.after_begin:
+        events = getattr(listener, "__self__", None)
+        if isinstance(events, datamanager.ZopeTransactionEvents):
+            try:
+                events.mark_changed(session)
+            except AssertionError as exc:  # registered read only: it would roll back
+                raise ConfigurationError(
+                    "zope.sqlalchemy",
+                    "the session is registered read-only, so its transaction is rolled "
+                    "back and the email would be lost; enqueue in a read-write session",
+                ) from exc
+            return
+
+
+def _write(
+    session: Session, entries: list[_Entry], bind_arguments: Mapping[str, Any] | None
+) -> list[EnqueueResult]:
+    """Write ``entries`` in one batch in ``session``'s transaction and return their results;
+    on any error none is written and the error propagates. A key given twice in the batch is
+    written once; the later ones are its duplicates."""
+    conn = _connection(session, bind_arguments)
+    first: dict[str, int] = {}
+    fresh: list[_Entry] = []
+    for index, entry in enumerate(entries):
+        if first.setdefault(entry.row["idempotency_key"], index) == index:
+            fresh.append(entry)
+    written = insert_messages(
+        conn,
+        [e.row for e in fresh],
+        [e.email for e in fresh],
+        fresh={e.row["idempotency_key"] for e in fresh if e.generated},
+    )
+    by_key = {
+        entry.row["idempotency_key"]: outcome for entry, outcome in zip(fresh, written, strict=True)
+    }
+    results = []
+    for index, entry in enumerate(entries):
+        key = entry.row["idempotency_key"]
+        new_id, duplicate = by_key[key]
+        result = EnqueueResult(key=key, id=new_id, duplicate=duplicate or first[key] != index)
+        results.append(result)
         signal = signals.duplicate_skipped if result.duplicate else signals.enqueued
         signal.send(entry.outbox, result=result, category=entry.category.name)
-
-
-def _resolver(session: Session) -> Callable[[EnqueueResult], None]:
-    owner = weakref.ref(session)
-    return lambda result: _resolve(result, owner)
-
-
-def _resolve(result: EnqueueResult, owner: weakref.ref[Session]) -> None:
-    """Reading a result that is still buffered: write the session's buffered rows now."""
-    session = owner()
-    if session is None:
-        result._fail("its session was discarded before the row was written")
-        return
-    if session._flushing:
-        raise EnqueueNotWritten(
-            result.key, "a flush of its session is writing it; read the result after the flush"
-        )
-    if _on_async_driver(session) and not in_greenlet():
-        raise EnqueueNotWritten(
-            result.key,
-            "the AsyncSession has not flushed yet; `await session.flush()` (or the commit) "
-            "writes it",
-        )
-    _write_buffered(session)
-    if not result.written:
-        result._fail("it was never written")
+    return results
 
 
 def _plain(session: Session | scoped_session[Any]) -> Session:
@@ -277,47 +166,9 @@ def _plain(session: Session | scoped_session[Any]) -> Session:
     return session
 
 
-def _plain_async(session: AsyncSession | async_scoped_session[Any]) -> Session:
+def _plain_async(session: AsyncSession | async_scoped_session[Any]) -> AsyncSession:
     plain: AsyncSession = session() if isinstance(session, async_scoped_session) else session
-    return plain.sync_session
-
-
-def _buffer(session: Session, entries: list[_Entry]) -> None:
-    """Buffer ``entries`` in ``session`` until its next flush. Inside a flush (a flush event,
-    a rule), or with a session bound to a Connection (whose transaction the app may commit
-    without the session), write them at once."""
-    bind = session.get_bind(clause=messages)  # no bind for the table raises here, not later
-    transaction = _innermost(session)
-    if transaction is not None and not transaction.is_active:
-        raise sa.exc.InvalidRequestError(
-            "enqueue() on a session whose transaction or savepoint is no longer active "
-            "(committed, or rolled back by a failed flush): the email would not be part of "
-            "it; roll it back, or enqueue in the next transaction"
-        )
-    dialect = bind.dialect
-    mysql = dialect.name in ("mysql", "mariadb") and not dialect.is_async
-    if mysql and any(e.email.rendered_size() >= PACKET_CHECK_FROM for e in entries):
-        conn = session.connection(bind_arguments=_BIND_ARGS)
-        for entry in entries:
-            check_packet_size(conn, entry.email, entry.row)
-    if session._flushing or isinstance(bind, sa.Connection):
-        _write(session, entries)
-        return
-    _mark(session)  # begins the session's transaction if it had none: tag with it
-    transaction = _innermost(session)
-    for entry in entries:
-        entry.transaction = transaction
-    session.info.setdefault(_BUFFER, []).extend(entries)
-
-
-def _deduplicated(entries: list[_Entry]) -> list[_Entry]:
-    """Mark each entry whose key an earlier entry of the same batch has: it is that one's
-    duplicate, and is not written itself."""
-    by_key: dict[str, EnqueueResult] = {}
-    for entry in entries:
-        first = by_key.setdefault(entry.result.key, entry.result)
-        entry.same_as = None if first is entry.result else first
-    return entries
+    return plain
 
 
 def _check_sync_session(session: object) -> None:
@@ -325,13 +176,6 @@ def _check_sync_session(session: object) -> None:
     methods here would create coroutines nobody awaits, and an Engine or a Connection is not
     the caller's transaction."""
     if isinstance(session, Session | scoped_session):
-        if _on_async_driver(session) and not in_greenlet():
-            raise TypeError(
-                "enqueue() got a Session on an async driver outside `run_sync` (an "
-                "AsyncSession's sync_session?); use `await ob.enqueue_async(session, email, "
-                "...)` with the AsyncSession, or call enqueue() inside `await "
-                "session.run_sync(...)`"
-            )
         return
     if isinstance(session, AsyncSession | async_scoped_session):
         raise TypeError(
@@ -339,17 +183,6 @@ def _check_sync_session(session: object) -> None:
             "`await ob.enqueue_async(session, email, ...)`"
         )
     raise TypeError(_not_a_session("enqueue", session, "Session"))
-
-
-def _on_async_driver(session: Session | scoped_session[Any]) -> bool:
-    """Whether the outbox table's bind talks through an async driver: its sync Session can
-    only run inside SQLAlchemy's greenlet (``run_sync``); anywhere else its first statement
-    leaves a coroutine unawaited and fails with ``MissingGreenlet``."""
-    try:
-        bind = session.get_bind(clause=messages)
-    except sa.exc.UnboundExecutionError:
-        return False  # enqueue's own connection() names the missing bind
-    return bool(bind.dialect.is_async)
 
 
 def _check_async_session(session: object) -> None:
@@ -427,21 +260,23 @@ class Outbox:
         priority: int = 0,
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
+        bind_arguments: Mapping[str, Any] | None = None,
     ) -> EnqueueResult:
-        """Write ``email`` as an outbox row in ``session``'s current transaction.
+        """Write ``email`` as an outbox row in ``session``'s current transaction, now.
 
-        The row is buffered in the session and written at its next flush (at the latest, the
-        commit), with every other row buffered there, in one batch; it commits or rolls back
-        with the caller's changes. Repeating a ``key`` is harmless: nothing is written,
-        ``duplicate`` is True and ``id`` is the existing row's, and the caller's transaction
-        stays usable. Lower ``priority`` sends first. Bad input raises an
-        :class:`~outbox.exceptions.EnqueueError` here, before anything touches the database.
+        The row commits or rolls back with the caller's changes (and with the savepoint it is
+        written in). Repeating a ``key`` is harmless: nothing is written, ``duplicate`` is True
+        and ``id`` is the existing row's, and the caller's transaction stays usable. Lower
+        ``priority`` sends first. Bad input raises an
+        :class:`~outbox.exceptions.EnqueueError` before anything touches the database.
+
+        The row goes on the connection the session would use for an INSERT into the outbox
+        table; ``bind_arguments`` are added to what its ``get_bind`` is asked with (a
+        ``ShardedSession`` needs ``{"shard_id": ...}``; ``{"bind": engine}`` names the bind).
         """
         _check_sync_session(session)
-        target = _plain(session)
-        entry = self._entry(target, email, key, category, priority, not_before, expires_at)
-        _buffer(target, [entry])
-        return entry.result
+        entries = [self._entry(email, key, category, priority, not_before, expires_at)]
+        return _write(_plain(session), entries, bind_arguments)[0]
 
     def enqueue_many(
         self,
@@ -453,15 +288,15 @@ class Outbox:
         priority: int = 0,
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
+        bind_arguments: Mapping[str, Any] | None = None,
     ) -> list[EnqueueResult]:
-        """:meth:`enqueue` for each of ``emails`` (``keys[i]`` is the key of ``emails[i]``;
-        None, or no ``keys``, generates one). Every email is checked before any is buffered:
-        one bad email raises and none is enqueued."""
+        """:meth:`enqueue` for each of ``emails`` in one batch (one statement on PostgreSQL and
+        SQLite); ``keys[i]`` is the key of ``emails[i]`` (None, or no ``keys``, generates one).
+        Every email is checked before any is written: one bad email raises and none is
+        enqueued."""
         _check_sync_session(session)
-        target = _plain(session)
-        entries = self._entries(target, emails, keys, category, priority, not_before, expires_at)
-        _buffer(target, entries)
-        return [entry.result for entry in entries]
+        entries = self._entries(emails, keys, category, priority, not_before, expires_at)
+        return _write(_plain(session), entries, bind_arguments)
 
     async def enqueue_async(
         self,
@@ -473,14 +308,14 @@ class Outbox:
         priority: int = 0,
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
+        bind_arguments: Mapping[str, Any] | None = None,
     ) -> EnqueueResult:
-        """:meth:`enqueue` for an ``AsyncSession``: the row is written when the session
-        flushes (``await session.flush()``, or the commit)."""
+        """:meth:`enqueue` for an ``AsyncSession``: the row is written when this returns."""
         _check_async_session(session)
+        entries = [self._entry(email, key, category, priority, not_before, expires_at)]
         target = _plain_async(session)
-        entry = self._entry(target, email, key, category, priority, not_before, expires_at)
-        _buffer(target, [entry])
-        return entry.result
+        results = await target.run_sync(_write, entries, bind_arguments)
+        return results[0]
 
     async def enqueue_many_async(
         self,
@@ -492,17 +327,15 @@ class Outbox:
         priority: int = 0,
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
+        bind_arguments: Mapping[str, Any] | None = None,
     ) -> list[EnqueueResult]:
         """:meth:`enqueue_many` for an ``AsyncSession``."""
         _check_async_session(session)
-        target = _plain_async(session)
-        entries = self._entries(target, emails, keys, category, priority, not_before, expires_at)
-        _buffer(target, entries)
-        return [entry.result for entry in entries]
+        entries = self._entries(emails, keys, category, priority, not_before, expires_at)
+        return await _plain_async(session).run_sync(_write, entries, bind_arguments)
 
     def _entries(
         self,
-        session: Session,
         emails: Sequence[Email],
         keys: Sequence[str | None] | None,
         category: str | None,
@@ -521,13 +354,12 @@ class Outbox:
                 "keys", f"has {len(keys)} keys for {len(emails)} emails; give one per email"
             )
         return [
-            self._entry(session, email, key, category, priority, not_before, expires_at)
+            self._entry(email, key, category, priority, not_before, expires_at)
             for email, key in zip(emails, keys, strict=True)
         ]
 
     def _entry(
         self,
-        session: Session,
         email: Email,
         key: str | None,
         category: str | None,
@@ -536,10 +368,7 @@ class Outbox:
         expires_at: datetime | None,
     ) -> _Entry:
         row, cat = self._row(email, key, category, priority, not_before, expires_at)
-        result = EnqueueResult(key=row["idempotency_key"], resolve=_resolver(session))
-        return _Entry(
-            outbox=self, row=row, email=email, category=cat, result=result, generated=key is None
-        )
+        return _Entry(outbox=self, row=row, email=email, category=cat, generated=key is None)
 
     def _row(
         self,
@@ -675,9 +504,8 @@ class Outbox:
                         continue
                     entries.append(
                         self._entry(
-                            session, email, rule.key_for(obj), rule.category, rule.priority,
-                            None, None,
+                            email, rule.key_for(obj), rule.category, rule.priority, None, None
                         )
-                    )  # fmt: skip
+                    )
         if entries:
-            _buffer(session, entries)
+            _write(session, entries, None)

@@ -33,7 +33,6 @@ EXPORTS = {
         "DeliveryStatus",
         "Email",
         "EnqueueError",
-        "EnqueueNotWritten",
         "EnqueueResult",
         "HeaderInjection",
         "InvalidAddress",
