@@ -594,8 +594,13 @@ def _committed_ids(conn: sa.Connection, keys: list[str]) -> dict[str, int] | Non
         return None
     schema_map = conn.get_execution_options().get("schema_translate_map")
     try:
+        # the caller's search_path (a tenant's schema set with SET LOCAL) names its table
+        search_path = conn.scalar(sa.text("SELECT current_setting('search_path')"))
         with _side_engine(engine).connect() as other:
             try:
+                other.execute(
+                    sa.text("SELECT set_config('search_path', :p, false)"), {"p": search_path}
+                )
                 if schema_map is not None:
                     other = other.execution_options(schema_translate_map=schema_map)
                 return _existing_ids(other, keys)

@@ -14,6 +14,7 @@ the ``after_flush`` hook :meth:`Outbox.install` adds where the app's sessions co
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
+from blinker import NamedSignal
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 from sqlalchemy.ext.horizontal_shard import ShardedSession
@@ -40,6 +42,8 @@ _T = TypeVar("_T")
 _RuleFunction = Callable[[Any], Email | None]
 _SessionTarget = sessionmaker[Any] | async_sessionmaker[Any] | type[Session] | type[AsyncSession]
 
+_log = logging.getLogger("outbox")
+
 # The clause the session's get_bind is asked with: an INSERT into the outbox table, as the
 # app's own INSERTs are (routing recipes send those to the writer).
 _INSERT = sa.insert(messages)
@@ -57,20 +61,28 @@ class _Entry:
 
 
 def _connection(session: Session, bind_arguments: Mapping[str, Any] | None) -> sa.Connection:
-    """The connection, in the session's transaction, that an INSERT into the outbox table
-    would use; refuse one that cannot hold the email atomically with the app's changes."""
+    """The connection, in the session's transaction, that the session's own writes use for
+    the outbox table; refuse one that cannot hold the email atomically with the app's changes.
+
+    ``get_bind`` is asked as the session's flush asks it (``session._flushing`` is true), with
+    an INSERT into the outbox table as the clause: routing recipes send the flush and DML to
+    the writer, and some (SQLAlchemy's own example) know a write only by the flush.
+    """
     arguments = {"clause": _INSERT, **(bind_arguments or {})}
     bind = arguments.pop("bind", None)
+    instance = arguments.get("instance")
+    if instance is not None and arguments.get("mapper") is None:
+        arguments["mapper"] = sa.inspect(instance).mapper  # route as that object's INSERT
     if bind is None:
         if isinstance(session, ShardedSession) and not (
-            arguments.get("shard_id") is not None or arguments.get("instance") is not None
+            arguments.get("shard_id") is not None or instance is not None
         ):
             raise InvalidArgument(
                 "bind_arguments",
                 "a ShardedSession cannot choose a shard for the outbox table by itself; name "
                 "it: bind_arguments={'shard_id': ...} (or {'instance': obj} to follow obj)",
             )
-        bind = session.get_bind(**arguments)  # no bind for the table raises here
+        bind = _writer_bind(session, arguments)
     if bind.dialect.is_async and not in_greenlet():
         raise TypeError(
             "enqueue() got a Session on an async driver outside `run_sync` (an "
@@ -97,13 +109,40 @@ def _connection(session: Session, bind_arguments: Mapping[str, Any] | None) -> s
     return conn
 
 
+def _writer_bind(session: Session, arguments: dict[str, Any]) -> sa.Engine | sa.Connection:
+    flushing = session._flushing
+    session._flushing = True
+    try:
+        return session.get_bind(**arguments)
+    except sa.exc.UnboundExecutionError as exc:
+        raise sa.exc.UnboundExecutionError(
+            f"{str(exc).rstrip('.')}: the outbox table has no bind in this session; give it one "
+            "(Session(binds={..., outbox.schema.messages: engine})), or pass "
+            "bind_arguments={'bind': engine} to enqueue"
+        ) from exc
+    finally:
+        session._flushing = flushing
+
+
 def _autocommits(conn: sa.Connection) -> bool:
-    """Whether every statement on ``conn`` commits by itself (``isolation_level="AUTOCOMMIT"``
-    on the connection or its engine): the transaction the session shows is not real there."""
+    """Whether every statement on ``conn`` commits by itself, so the transaction the session
+    shows is not real there: ``isolation_level="AUTOCOMMIT"`` on the connection or its engine,
+    or autocommit set on the driver's connection itself (``connect_args``, ``init_command``,
+    sqlite3 with ``isolation_level=None`` and nobody emitting BEGIN)."""
     level = conn.get_execution_options().get("isolation_level")
     if level is None:
         level = getattr(conn.dialect, "_on_connect_isolation_level", None)
-    return level == "AUTOCOMMIT"
+    if level == "AUTOCOMMIT":
+        return True
+    raw = conn.connection.dbapi_connection
+    get_autocommit = getattr(raw, "get_autocommit", None)  # PyMySQL, mysqlclient
+    if callable(get_autocommit):
+        return bool(get_autocommit())
+    if getattr(raw, "autocommit", None) is True:  # psycopg, sqlite3 on Python 3.12+
+        return True
+    if conn.dialect.name == "sqlite" and not conn.dialect.is_async:
+        return raw.isolation_level is None and not raw.in_transaction  # type: ignore[union-attr]
+    return False
 
 
 def _mark_changed(session: Session) -> None:
@@ -155,8 +194,23 @@ def _write(
         result = EnqueueResult(key=key, id=new_id, duplicate=duplicate or first[key] != index)
         results.append(result)
         signal = signals.duplicate_skipped if result.duplicate else signals.enqueued
-        signal.send(entry.outbox, result=result, category=entry.category.name)
+        _notify(signal, entry.outbox, result, entry.category.name)
     return results
+
+
+def _notify(signal: NamedSignal, sender: Outbox, result: EnqueueResult, category: str) -> None:
+    """Send ``signal`` to each receiver; one that raises is logged, not raised: the row is
+    written by now, and an error here would tell the app it was not."""
+    for receiver in signal.receivers_for(sender):
+        try:
+            receiver(sender, result=result, category=category)
+        except Exception:
+            _log.exception(
+                "action=signal_failed signal=%s key=%s receiver=%r",
+                signal.name,
+                result.key,
+                receiver,
+            )
 
 
 def _plain(session: Session | scoped_session[Any]) -> Session:
@@ -491,7 +545,10 @@ class Outbox:
         if not self.rules:
             return
         batches = (("insert", session.new), ("update", session.dirty))
-        entries: list[_Entry] = []
+        # A ShardedSession routes each object's email to that object's shard; any other
+        # session writes the flush's emails in one batch.
+        sharded = isinstance(session, ShardedSession)
+        groups: dict[int, tuple[Mapping[str, Any] | None, list[_Entry]]] = {}
         for on, objects in batches:
             for obj in objects:
                 for rule in self.rules:
@@ -502,10 +559,12 @@ class Outbox:
                     email = rule.function(obj)
                     if email is None:
                         continue
+                    route: Mapping[str, Any] | None = {"instance": obj} if sharded else None
+                    _, entries = groups.setdefault(id(obj) if sharded else 0, (route, []))
                     entries.append(
                         self._entry(
                             email, rule.key_for(obj), rule.category, rule.priority, None, None
                         )
                     )
-        if entries:
-            _write(session, entries, None)
+        for route, entries in groups.values():
+            _write(session, entries, route)

@@ -158,6 +158,34 @@ def test_signals_fire_when_the_row_is_written(Sessions, ob):
         signals.duplicate_skipped.disconnect(record)
 
 
+def test_a_signal_receiver_that_raises_is_logged_and_the_caller_sees_its_result(
+    engine, Sessions, ob, caplog
+):
+    """The row is written when the signal fires: an error raised there would tell the app the
+    email was not enqueued while the commit still sends it."""
+    later: list[str] = []
+
+    def broken(sender, result, category):
+        raise RuntimeError("statsd down")
+
+    def after(sender, result, category):
+        later.append(result.key)
+
+    signals.enqueued.connect(broken)
+    signals.enqueued.connect(after)
+    try:
+        with Sessions() as session, session.begin():
+            result = ob.enqueue(session, email(1), key="k1")
+    finally:
+        signals.enqueued.disconnect(broken)
+        signals.enqueued.disconnect(after)
+    assert later == ["k1"]
+    assert [r.id for r in rows(engine)] == [result.id]
+    (record,) = [r for r in caplog.records if "action=signal_failed" in r.getMessage()]
+    assert "key=k1" in record.getMessage()
+    assert "statsd down" in record.exc_text
+
+
 def test_enqueue_inside_a_flush_event_is_written_in_that_flush(engine, Sessions, ob):
     results = []
 
