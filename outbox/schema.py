@@ -278,6 +278,7 @@ messages = sa.Table(
     sa.CheckConstraint(_in("status", tuple(Status)), name="status"),
     sa.CheckConstraint(_in("ambiguity_policy", STORED_POLICIES), name="ambiguity_policy"),
     sa.CheckConstraint(_in("delivery_status", tuple(DeliveryStatus)), name="delivery_status"),
+    mysql_engine="InnoDB",
 )
 
 # The claim reads one status at a time (pending, then retrying) in send order, so it is an index
@@ -335,6 +336,7 @@ attempts = sa.Table(
     sa.Column("error_message", sa.Text(), nullable=True),
     sa.Column("provider_message_id", sa.String(255), nullable=True),
     sa.Column("dropped_recipients", sa.Text(), nullable=True),  # suppressed, not sent to
+    mysql_engine="InnoDB",
 )
 
 # An identity notification (no tags) names its send by SES message id only; a stale or
@@ -355,6 +357,7 @@ relays = sa.Table(
     sa.Column("started_at", UTCDateTime(), nullable=False),
     sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
     sa.Column("state", sa.String(20), nullable=False),
+    mysql_engine="InnoDB",
 )
 
 # The send budget every relay shares (--max-send-rate): the sends booked in the last seconds,
@@ -367,12 +370,14 @@ send_budget = sa.Table(
     sa.Column("reserved_at", UTCDateTime(), nullable=False),  # when the sends may start
     sa.Column("recipients", sa.Integer(), nullable=False),
     sa.Column("occupied_until", UTCDateTime(), nullable=False, index=True),
+    mysql_engine="InnoDB",
 )
 
 send_budget_lock = sa.Table(
     "outbox_send_budget_lock",
     metadata,
     sa.Column("id", sa.SmallInteger(), primary_key=True, autoincrement=False),
+    mysql_engine="InnoDB",
 )
 
 # Every provider event the intake took from its queue, once (``event_key``: a digest of the
@@ -400,6 +405,7 @@ events = sa.Table(
     sa.Column("source", sa.String(20), nullable=False),
     sa.Column("intake_id", sa.String(255), nullable=True),  # the replica that recorded it
     sa.UniqueConstraint("event_key"),
+    mysql_engine="InnoDB",
 )
 sa.Index("ix_outbox_events_received_at", events.c.received_at)
 # The intake's pass over events deferred while their row was being sent, oldest first.
@@ -428,6 +434,7 @@ suppressions = sa.Table(
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("actor", sa.String(255), nullable=False),
     sa.CheckConstraint(_in("reason", tuple(SuppressionReason)), name="reason"),
+    mysql_engine="InnoDB",
 )
 
 # Each event intake replica's view of its queue: the moments it found the queue empty
@@ -443,6 +450,7 @@ intakes = sa.Table(
     sa.Column("started_at", UTCDateTime(), nullable=False),
     sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
     sa.Column("caught_up_at", UTCDateTime(), nullable=True),
+    mysql_engine="InnoDB",
 )
 
 # Who did what, when and why: every operator command that changes rows or suppressions.
@@ -457,4 +465,5 @@ operator_actions = sa.Table(
     sa.Column("address", sa.String(320), nullable=True),
     sa.Column("reason", sa.Text(), nullable=True),
     sa.Column("detail", sa.Text(), nullable=True),
+    mysql_engine="InnoDB",
 )

@@ -72,7 +72,7 @@ def _connection(session: Session, bind_arguments: Mapping[str, Any] | None) -> s
     bind = arguments.pop("bind", None)
     instance = arguments.get("instance")
     if instance is not None and arguments.get("mapper") is None:
-        arguments["mapper"] = sa.inspect(instance).mapper  # route as that object's INSERT
+        arguments.update(_object_route(session, instance))
     if bind is None:
         if isinstance(session, ShardedSession) and not (
             arguments.get("shard_id") is not None or instance is not None
@@ -98,15 +98,16 @@ def _connection(session: Session, bind_arguments: Mapping[str, Any] | None) -> s
             "it; roll it back, or enqueue in the next transaction"
         )
     conn = session.connection(bind_arguments={"bind": bind})
-    if _autocommits(conn):
-        raise ConfigurationError(
-            "isolation_level",
-            "the session's connection for the outbox table is in AUTOCOMMIT, so the email "
-            "would commit on its own, without the rest of the transaction; enqueue on an "
-            "engine or connection with a transactional isolation level",
-        )
+    _ensure_transaction(conn)
     _mark_changed(session)
     return conn
+
+
+def _object_route(session: Session, obj: object) -> dict[str, Any]:
+    """What ``get_bind`` is asked for an email about ``obj``: as ``obj``'s own INSERT (its
+    mapper; on a ShardedSession also the object, for its shard)."""
+    route = {"clause": _INSERT, "mapper": sa.inspect(obj).mapper}
+    return {**route, "instance": obj} if isinstance(session, ShardedSession) else route
 
 
 def _writer_bind(session: Session, arguments: dict[str, Any]) -> sa.Engine | sa.Connection:
@@ -124,24 +125,52 @@ def _writer_bind(session: Session, arguments: dict[str, Any]) -> sa.Engine | sa.
         session._flushing = flushing
 
 
+def _ensure_transaction(conn: sa.Connection) -> None:
+    """Refuse a connection on which the email would commit on its own, without the rest of
+    the caller's transaction; begin the transaction sqlite3's legacy mode has not begun."""
+    if _autocommits(conn):
+        raise ConfigurationError(
+            "isolation_level",
+            "the session's connection for the outbox table is in AUTOCOMMIT, so the email "
+            "would commit on its own, without the rest of the transaction; enqueue on an "
+            "engine or connection with a transactional isolation level",
+        )
+    if conn.dialect.name != "sqlite":
+        return
+    # sqlite3's legacy mode begins only before an INSERT, so without a "begin" listener that
+    # emits BEGIN (enable_savepoints) a SAVEPOINT may have begun the transaction, and its
+    # RELEASE will commit it all
+    driver: Any = conn.connection.driver_connection
+    legacy = getattr(driver, "autocommit", -1) == -1 and driver.isolation_level is not None
+    if legacy and not conn.dispatch.begin and conn.in_nested_transaction():
+        raise ConfigurationError(
+            "enable_savepoints",
+            "this SQLite engine lets sqlite3 begin transactions, so a savepoint's RELEASE "
+            "may commit the email on its own; call outbox.sqlite.enable_savepoints(engine)",
+        )
+    if not driver.in_transaction:
+        conn.exec_driver_sql("BEGIN")  # as enable_savepoints would have; COMMIT ends it
+
+
 def _autocommits(conn: sa.Connection) -> bool:
     """Whether every statement on ``conn`` commits by itself, so the transaction the session
     shows is not real there: ``isolation_level="AUTOCOMMIT"`` on the connection or its engine,
     or autocommit set on the driver's connection itself (``connect_args``, ``init_command``,
-    sqlite3 with ``isolation_level=None`` and nobody emitting BEGIN)."""
+    a sqlite3 or aiosqlite ``isolation_level`` of None with nobody emitting BEGIN)."""
     level = conn.get_execution_options().get("isolation_level")
     if level is None:
         level = getattr(conn.dialect, "_on_connect_isolation_level", None)
     if level == "AUTOCOMMIT":
         return True
     raw = conn.connection.dbapi_connection
-    get_autocommit = getattr(raw, "get_autocommit", None)  # PyMySQL, mysqlclient
+    get_autocommit = getattr(raw, "get_autocommit", None)  # PyMySQL, mysqlclient, aiomysql
     if callable(get_autocommit):
         return bool(get_autocommit())
     if getattr(raw, "autocommit", None) is True:  # psycopg, sqlite3 on Python 3.12+
         return True
-    if conn.dialect.name == "sqlite" and not conn.dialect.is_async:
-        return raw.isolation_level is None and not raw.in_transaction  # type: ignore[union-attr]
+    if conn.dialect.name == "sqlite":
+        driver: Any = conn.connection.driver_connection
+        return driver.isolation_level is None and not driver.in_transaction
     return False
 
 
@@ -524,7 +553,9 @@ class Outbox:
         if isinstance(target, sessionmaker):
             listen_on = target
         elif isinstance(target, async_sessionmaker):
-            sync_class = target.kw.get("sync_session_class", Session)
+            # the app's own sync class (class_.sync_session_class, or the maker's), listened
+            # on as it is; only the shared base Session gets a subclass of this maker's own
+            sync_class = target.kw.get("sync_session_class") or target.class_.sync_session_class
             if sync_class is Session:
                 sync_class = type("OutboxSession", (Session,), {})
                 target.configure(sync_session_class=sync_class)
@@ -545,10 +576,9 @@ class Outbox:
         if not self.rules:
             return
         batches = (("insert", session.new), ("update", session.dirty))
-        # A ShardedSession routes each object's email to that object's shard; any other
-        # session writes the flush's emails in one batch.
-        sharded = isinstance(session, ShardedSession)
-        groups: dict[int, tuple[Mapping[str, Any] | None, list[_Entry]]] = {}
+        # Each email goes on the bind its object was written on (as the object's own INSERT
+        # is routed: its mapper, its shard), one batch per bind.
+        by_bind: dict[int, tuple[sa.Engine | sa.Connection, list[_Entry]]] = {}
         for on, objects in batches:
             for obj in objects:
                 for rule in self.rules:
@@ -559,12 +589,12 @@ class Outbox:
                     email = rule.function(obj)
                     if email is None:
                         continue
-                    route: Mapping[str, Any] | None = {"instance": obj} if sharded else None
-                    _, entries = groups.setdefault(id(obj) if sharded else 0, (route, []))
+                    bind = _writer_bind(session, _object_route(session, obj))
+                    _, entries = by_bind.setdefault(id(bind), (bind, []))
                     entries.append(
                         self._entry(
                             email, rule.key_for(obj), rule.category, rule.priority, None, None
                         )
                     )
-        for route, entries in groups.values():
-            _write(session, entries, route)
+        for bind, entries in by_bind.values():
+            _write(session, entries, {"bind": bind})

@@ -11,6 +11,7 @@ before anything is written; the test-suite recipes that join an external transac
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,7 @@ import sqlalchemy as sa
 import transaction
 import zope.sqlalchemy
 from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
@@ -532,3 +534,145 @@ def test_a_tenants_search_path_holds_for_the_duplicate_found_outside_the_snapsho
     finally:
         with engine.begin() as conn:
             conn.exec_driver_sql("DROP SCHEMA outbox_tenant_a CASCADE")
+
+
+# -- a model on another bind ------------------------------------------------------------------
+
+
+def test_flask_sqlalchemy_binds_put_a_rules_email_on_its_models_bind(tmp_path):
+    """Flask-SQLAlchemy 3 with ``SQLALCHEMY_BINDS``: a model with ``__bind_key__`` lives on
+    another database than the default one; the email a rule makes for it is written there,
+    in its transaction, and an explicit enqueue follows it with ``{"instance": obj}``."""
+    from flask import Flask
+    from flask_sqlalchemy import SQLAlchemy
+
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = f"sqlite:///{tmp_path / 'main.db'}"
+    app.config["SQLALCHEMY_BINDS"] = {"shop": f"sqlite:///{tmp_path / 'shop.db'}"}
+    db = SQLAlchemy(app)
+
+    class ShopOrder(db.Model):
+        __bind_key__ = "shop"
+        id = sa.Column(sa.Integer, primary_key=True)
+        customer = sa.Column(sa.String(255))
+
+    ob = Outbox()
+    ob.on_insert(ShopOrder, name="confirm")(lambda order: email(order.id))
+    with app.app_context():
+        for engine in db.engines.values():
+            enable_savepoints(engine)
+            metadata.create_all(engine)
+        db.create_all()
+        ob.install(db.session.session_factory)
+        order = ShopOrder(id=1, customer="ada")
+        db.session.add(order)
+        ob.enqueue(db.session, email(2), key="explicit", bind_arguments={"instance": order})
+        db.session.commit()
+        shop, main = db.engines["shop"], db.engines[None]
+        assert sorted(r.idempotency_key for r in rows(shop)) == ["confirm:1", "explicit"]
+        assert rows(main) == []
+        db.session.remove()
+        for engine in db.engines.values():
+            engine.dispose()
+
+
+# -- SQLite that does not begin its own transactions --------------------------------------------
+
+
+@pytest.mark.parametrize("then", ["rollback", "commit"])
+def test_a_sqlite_engine_without_enable_savepoints_keeps_the_email_in_the_transaction(
+    tmp_path, ob, then
+):
+    """sqlite3's legacy mode begins a transaction only before an INSERT: an email enqueued
+    first would begin it with its SAVEPOINT, and RELEASE commit it alone; enqueue begins the
+    transaction itself."""
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'legacy.db'}")
+    metadata.create_all(engine)
+    Base.metadata.create_all(engine)
+    with Session(engine) as session:
+        result = ob.enqueue(session, email(1), key="k1")
+        again = ob.enqueue(session, email(1), key="k1")
+        session.add(Order(id=1, customer="ada"))
+        session.flush()
+        getattr(session, then)()
+    assert (again.id, again.duplicate) == (result.id, True)
+    expected = ["k1"] if then == "commit" else []
+    assert [r.idempotency_key for r in rows(engine)] == expected
+    assert order_ids(engine) == ([1] if then == "commit" else [])
+    engine.dispose()
+
+
+def test_a_savepoint_on_a_sqlite_engine_without_enable_savepoints_is_refused(tmp_path, ob):
+    """There a savepoint may have begun the transaction itself, and its RELEASE commit the
+    email with everything else before the app decides."""
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'legacy.db'}")
+    metadata.create_all(engine)
+    with Session(engine) as session:
+        with pytest.raises(ConfigurationError) as info, session.begin_nested():
+            ob.enqueue(session, email(1), key="k1")
+        assert info.value.setting == "enable_savepoints"
+        session.rollback()
+    assert rows(engine) == []
+    engine.dispose()
+
+
+def test_an_aiosqlite_engine_in_autocommit_is_refused(tmp_path, ob):
+    path = tmp_path / "auto.db"
+    sync = sa.create_engine(f"sqlite:///{path}")
+    metadata.create_all(sync)
+
+    async def scenario() -> str:
+        engine = create_async_engine(
+            f"sqlite+aiosqlite:///{path}", connect_args={"isolation_level": None}
+        )
+        try:
+            async with AsyncSession(engine) as session:
+                try:
+                    await ob.enqueue_async(session, email(1), key="k1")
+                except ConfigurationError as exc:
+                    await session.rollback()
+                    return exc.setting
+                return "not refused"
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(scenario()) == "isolation_level"
+    assert rows(sync) == []
+    sync.dispose()
+
+
+# -- rules installed on an async_sessionmaker with the app's own sync class ---------------------
+
+
+def test_install_keeps_the_apps_own_sync_session_class(backend):
+    """SQLAlchemy's way to route an AsyncSession: ``AppAsyncSession.sync_session_class =
+    RoutingSession``. Installing the rules must listen on that class, not replace it."""
+    leader = create_async_engine(backend.async_url)
+    enable_savepoints(leader)
+    chosen: list[str] = []
+
+    class RoutingSession(Session):
+        def get_bind(self, mapper=None, clause=None, **kw):
+            chosen.append("leader")
+            return leader.sync_engine
+
+    class AppAsyncSession(AsyncSession):
+        sync_session_class = RoutingSession
+
+    ob = Outbox()
+    ob.on_insert(Order, name="confirm")(lambda order: email(order.id))
+    Sessions = async_sessionmaker(class_=AppAsyncSession)
+    ob.install(Sessions)
+
+    async def scenario() -> None:
+        try:
+            async with Sessions.begin() as session:
+                assert isinstance(session.sync_session, RoutingSession)
+                session.add(Order(id=1, customer="ada"))
+        finally:
+            await leader.dispose()
+            event.remove(RoutingSession, "after_flush", ob._after_flush)
+
+    asyncio.run(scenario())
+    assert "leader" in chosen
+    assert [r.idempotency_key for r in rows(backend.engine)] == ["confirm:1"]

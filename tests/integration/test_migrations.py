@@ -327,3 +327,33 @@ def test_an_async_engine_migrates_through_run_sync_as_the_error_says(backend):
     applied, heads = asyncio.run(main())
     assert applied == heads
     assert outbox_tables(backend.engine) == (TABLES, set(migrations.VIEWS))
+
+
+def test_every_table_is_innodb_whatever_the_servers_default_engine(request, tmp_path):
+    """On a MariaDB server whose ``default_storage_engine`` is Aria (or MyISAM), a table
+    created without an engine is not transactional: an email would survive its rollback."""
+    backend = request.getfixturevalue("_backends")["mysql"]
+    with fresh_database(backend, tmp_path, "aria") as url:
+        engine = sa.create_engine(url)
+
+        @sa.event.listens_for(engine, "connect")
+        def aria_by_default(dbapi_connection, connection_record):
+            with dbapi_connection.cursor() as cursor:
+                cursor.execute("SET SESSION default_storage_engine = 'Aria'")
+
+        try:
+            migrations.upgrade(engine)
+            with engine.connect() as conn:
+                engines = dict(
+                    conn.execute(
+                        sa.text(
+                            "SELECT table_name, engine FROM information_schema.tables "
+                            "WHERE table_schema = DATABASE() AND table_type = 'BASE TABLE'"
+                        )
+                    ).all()
+                )
+        finally:
+            engine.dispose()
+    tables = {t.name for t in metadata.sorted_tables}  # alembic's version table aside
+    assert set(engines) >= tables
+    assert {engines[name] for name in tables} == {"InnoDB"}, engines

@@ -122,6 +122,7 @@ def upgrade() -> None:
             "ambiguity_policy IN ('hold', 'resend')",
             name=op.f("ck_outbox_messages_ambiguity_policy"),
         ),
+        mysql_engine="InnoDB",
     )
     op.create_index(
         op.f("ix_outbox_messages_claim"),
@@ -156,6 +157,7 @@ def upgrade() -> None:
             name=op.f("fk_outbox_attempts_message_id_outbox_messages"),
             ondelete="CASCADE",
         ),
+        mysql_engine="InnoDB",
     )
     op.create_index(op.f("ix_outbox_attempts_message_id"), "outbox_attempts", ["message_id"])
     op.create_table(
@@ -167,6 +169,7 @@ def upgrade() -> None:
         sa.Column("heartbeat_at", _ts(), nullable=False),
         sa.Column("state", sa.String(20), nullable=False),
         sa.PrimaryKeyConstraint("relay_id", name=op.f("pk_outbox_relays")),
+        mysql_engine="InnoDB",
     )
     for name, sql in _views(op.get_bind().dialect.name).items():
         op.execute(f"CREATE VIEW {name} AS {sql}")

@@ -35,6 +35,7 @@ def upgrade() -> None:
         sa.Column("recipients", sa.Integer(), nullable=False),
         sa.Column("occupied_until", _ts(), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_outbox_send_budget")),
+        mysql_engine="InnoDB",
     )
     op.create_index(
         op.f("ix_outbox_send_budget_occupied_until"), "outbox_send_budget", ["occupied_until"]
@@ -43,6 +44,7 @@ def upgrade() -> None:
         "outbox_send_budget_lock",
         sa.Column("id", sa.SmallInteger(), autoincrement=False, nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_outbox_send_budget_lock")),
+        mysql_engine="InnoDB",
     )
     op.bulk_insert(lock, [{"id": 1}])
 

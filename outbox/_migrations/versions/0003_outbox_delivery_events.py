@@ -93,6 +93,7 @@ def upgrade() -> None:
         sa.Column("intake_id", sa.String(255), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_outbox_events")),
         sa.UniqueConstraint("event_key", name=op.f("uq_outbox_events_event_key")),
+        mysql_engine="InnoDB",
     )
     op.create_index(op.f("ix_outbox_events_message_id"), "outbox_events", ["message_id"])
     op.create_index(op.f("ix_outbox_events_received_at"), "outbox_events", ["received_at"])
@@ -121,6 +122,7 @@ def upgrade() -> None:
         sa.CheckConstraint(
             _one_of("reason", SUPPRESSION_REASONS), name=op.f("ck_outbox_suppressions_reason")
         ),
+        mysql_engine="InnoDB",
     )
     op.create_table(
         "outbox_intakes",
@@ -131,6 +133,7 @@ def upgrade() -> None:
         sa.Column("heartbeat_at", _ts(), nullable=False),
         sa.Column("caught_up_at", _ts(), nullable=True),
         sa.PrimaryKeyConstraint("intake_id", name=op.f("pk_outbox_intakes")),
+        mysql_engine="InnoDB",
     )
     op.create_table(
         "outbox_operator_actions",
@@ -143,6 +146,7 @@ def upgrade() -> None:
         sa.Column("reason", sa.Text(), nullable=True),
         sa.Column("detail", sa.Text(), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_outbox_operator_actions")),
+        mysql_engine="InnoDB",
     )
     op.create_index(
         op.f("ix_outbox_operator_actions_message_id"), "outbox_operator_actions", ["message_id"]
