@@ -93,9 +93,9 @@ def _connection(session: Session, bind_arguments: Mapping[str, Any] | None) -> s
     transaction = session.get_nested_transaction() or session.get_transaction()
     if transaction is not None and not transaction.is_active:
         raise sa.exc.InvalidRequestError(
-            "enqueue() on a session whose transaction or savepoint is no longer active "
-            "(committed, or rolled back by a failed flush): the email would not be part of "
-            "it; roll it back, or enqueue in the next transaction"
+            "enqueue() on a session whose transaction or savepoint is not active (committed, "
+            "rolled back by a failed flush, or still beginning): the email would not be part "
+            "of it; roll it back, or enqueue in the next transaction"
         )
     conn = session.connection(bind_arguments={"bind": bind})
     _ensure_transaction(conn)
