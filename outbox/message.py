@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from email import policy
+from email.header import decode_header
 from email.message import EmailMessage, MIMEPart
 from email.utils import formataddr
 from types import MappingProxyType
@@ -66,6 +67,7 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 # 7bit keeps the rendered message pure ASCII; "none" keeps pre-folded raw headers intact
 _POLICY = policy.SMTP.clone(cte_type="7bit", refold_source="none")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+_FOLD = re.compile(r"\r?\n(?=[ \t])")  # a folded header's line break, before its white space
 _HEADER_NAME = re.compile(r"[!-9;-@A-~]{1,126}")
 _HEADER_VALUE = re.compile(r"[ -~]{1,995}")
 _TAG = re.compile(r"[A-Za-z0-9_-]{1,256}")
@@ -100,13 +102,52 @@ def _require_str(value: object, field: str) -> str:
 
 
 def _single_line(value: str, field: str) -> None:
-    found = _CONTROL.search(value)
+    found = _CONTROL.search(value) or _CONTROL.search(_decoded_words(value))
     if found is not None:
         raise HeaderInjection(
             field,
-            f"{_show(value)} contains the control character U+{ord(found.group()):04X}; "
-            "values that end up in mail headers must be a single line",
+            f"{_show(value)} contains the control character U+{ord(found.group()):04X} (as "
+            "itself or in an RFC 2047 encoded-word); values that end up in mail headers must "
+            "be a single line",
         )
+
+
+def _check_rendered(message: EmailMessage) -> None:
+    """Refuse a message any of whose headers, as the email package reads (and may write) it,
+    holds a line break that is not a fold: the last guard against a header we did not foresee
+    being decoded into a new header line."""
+    for part in message.walk():
+        for name, value in part.items():
+            text = _FOLD.sub(" ", str(value))
+            found = _CONTROL.search(text) or _CONTROL.search(_decoded_words(text))
+            if found is not None:
+                raise HeaderInjection(
+                    f"headers['{name}']",
+                    f"the rendered header holds the control character U+{ord(found.group()):04X}",
+                )
+
+
+def _decoded_words(value: str) -> str:
+    """The text of the RFC 2047 encoded-words (``=?utf-8?q?...?=``) in ``value``: Python's
+    email package decodes them when it writes a header, and builds without the
+    CVE-2024-6923 fix write a decoded CR/LF as a real line break (a new header). A word in a
+    charset Python does not know counts by its CR and LF bytes, which no ASCII-compatible
+    charset uses for anything else."""
+    if "=?" not in value:
+        return ""
+    try:
+        parts = decode_header(value)
+    except Exception:  # malformed: the raw value is what is written
+        return ""
+    text = []
+    for chunk, charset in parts:
+        if isinstance(chunk, str) or charset is None:
+            continue  # plain text, checked as itself
+        try:
+            text.append(chunk.decode(charset, errors="replace"))
+        except LookupError:
+            text.append("".join(chr(byte) for byte in chunk if byte in (0x0A, 0x0D)))
+    return "".join(text)
 
 
 def _utf8_len(value: str) -> int:
@@ -537,6 +578,7 @@ class Email:
         for item in self.attachments:
             if html_part is None or item.disposition != "inline":
                 _attach(message, item, related=False)
+        _check_rendered(message)
         return message
 
     def to_payload(self) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from email.message import EmailMessage
 from email.utils import formatdate, parseaddr
 from typing import TYPE_CHECKING, Any, Literal, Self
 
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, InvalidEmail
 from relay.senders import (
     Accepted,
     Ambiguous,
@@ -88,6 +88,8 @@ def classify(exc: BaseException, *, data_sent: bool) -> Outcome:
     on a lost connection or a timeout may hide a message the server already queued.
     """
     text = _describe(exc)
+    if isinstance(exc, InvalidEmail):  # refused while rendering, before any connection
+        return Permanent(code="invalid_payload", message=text)
     if isinstance(exc, smtplib.SMTPAuthenticationError):
         if _is_temporary(exc.smtp_code):  # 454 "temporary authentication failure"
             return _temporary(exc.smtp_code, text)

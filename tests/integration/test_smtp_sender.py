@@ -24,7 +24,7 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP as SMTPServer
 from aiosmtpd.smtp import AuthResult, Envelope, LoginPassword, Session
 
-from outbox import Attachment, Category, Email, Outbox, Status
+from outbox import Attachment, Category, Email, HeaderInjection, Outbox, Status
 from outbox.schema import attempts, messages
 from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
 from relay.senders.smtp import OUTBOX_ID_HEADER, SmtpSender, SmtpSettings
@@ -285,6 +285,30 @@ def test_message_arrives_with_headers_envelope_and_attachments(server, make_send
     assert attachment.get_filename() == "invoice.pdf"
     assert attachment.get_content_type() == "application/pdf"
     assert attachment.get_content() == b"%PDF-1.4 fake"
+
+
+def test_an_encoded_word_line_break_never_reaches_the_smtp_server(server, make_sender):
+    """A subject and a file name holding ``=?utf-8?q?...=0D=0A...?=``: Python's email package
+    decodes them when it writes the message (this machine's 3.11 writes the CRLF as it is), so
+    an SMTP server would receive the attacker's headers. Email refuses them; a message that
+    got past validation (a row stored before the check) fails at rendering, and nothing is
+    sent: a permanent failure, not a retry."""
+    with pytest.raises(HeaderInjection):
+        outgoing(subject="=?utf-8?q?Hi=0D=0ABcc:_spy@example.com?=")
+    message = outgoing(
+        attachments=[Attachment(filename="invoice.pdf", content=b"%PDF", content_type="a/b")]
+    )
+    object.__setattr__(message.email, "subject", "=?utf-8?q?Hi=0D=0ABcc:_spy@example.com?=")
+    outcome = make_sender(server.port).send(message)
+    assert isinstance(outcome, Permanent)
+    assert outcome.code == "invalid_payload"
+    assert "U+000D" in outcome.message
+    assert server.handler.received == []
+    kept = make_sender(server.port).send(outgoing(subject="=?utf-8?q?caf=C3=A9?= ok"))
+    assert isinstance(kept, Accepted)
+    (got,) = server.handler.received
+    assert got.message["Subject"] == "café ok"
+    assert "Bcc" not in got.message
 
 
 def test_a_message_id_given_by_the_app_is_kept(server, make_sender):

@@ -104,6 +104,33 @@ INJECTIONS = [
     ),
     pytest.param({"configuration_set": "cs\r\n"}, "configuration_set", id="configuration-set"),
     pytest.param(template(template="welcome\n"), "template", id="template"),
+    # RFC 2047 encoded-words that decode to a line break: Python's email package decodes them
+    # when it writes a header (builds without the CVE-2024-6923 fix write a real CRLF)
+    pytest.param(
+        {"subject": "=?utf-8?q?Hi=0D=0ABcc:_spy@example.com?="}, "subject", id="subject-ew-q"
+    ),
+    pytest.param(
+        {"subject": "Re: =?utf-8?b?SGkNCkJjYzogc3B5QGV4YW1wbGUuY29t?="},
+        "subject",
+        id="subject-ew-b",
+    ),
+    pytest.param({"subject": "=?x-unknown?q?Hi=0ABcc:_x?="}, "subject", id="subject-ew-charset"),
+    pytest.param({"subject": "=?utf-8?q?Hi=E2=80=A8there?="}, "subject", id="subject-ew-u2028"),
+    pytest.param(
+        {"attachments": attach(filename="=?utf-8?q?f=0D=0AReply-To:_x@evil.com?=.txt")},
+        "attachments[0].filename",
+        id="filename-ew",
+    ),
+    pytest.param(
+        {"reply_to": '"=?utf-8?q?A=0ABcc:_x@evil.com?=" <a@example.com>'},
+        "reply_to[0]",
+        id="display-name-ew",
+    ),
+    pytest.param(
+        {"headers": {"X-Ref": "=?utf-8?q?1=0D=0ABcc:_x@evil.com?="}},
+        "headers['X-Ref']",
+        id="hval-ew",
+    ),
 ]
 
 
@@ -112,6 +139,24 @@ def test_control_characters_raise_header_injection(overrides: dict[str, Any], fi
     with pytest.raises(HeaderInjection) as info:
         make(**overrides)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("subject", "shown"),
+    [("=?utf-8?q?caf=C3=A9?= ok", "café ok"), ("=?iso-2022-jp?b?GyRCJEskWyQzGyhC?=", "にほこ")],
+)
+def test_encoded_words_without_control_characters_are_kept(subject: str, shown: str) -> None:
+    assert make(subject=subject).to_mime()["Subject"] == shown
+
+
+def test_a_rendered_header_that_decodes_to_a_line_break_is_refused() -> None:
+    """The last guard, past validation: whatever the email package decodes, no header it
+    writes may hold a line break that is not a fold."""
+    message = make()
+    object.__setattr__(message, "subject", "=?utf-8?q?Hi=0D=0ABcc:_spy@example.com?=")
+    with pytest.raises(HeaderInjection) as info:
+        message.to_mime()
+    assert info.value.field == "headers['Subject']"
 
 
 def test_tab_is_allowed_in_subject() -> None:
