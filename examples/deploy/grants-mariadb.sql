@@ -1,70 +1,121 @@
--- Least-privilege users for sqlalchemy-outbox on MariaDB (and MySQL 8): one for the relay
--- sidecar, one for the host app. Neither can change the schema (no CREATE, ALTER, DROP,
--- INDEX) and neither can delete a message.
+-- Least-privilege users for sqlalchemy-outbox on MariaDB (and MySQL 8): the host app, the
+-- relay sidecar (`outbox-relay run` and `outbox-relay events`) and operators. None can change
+-- the schema (no CREATE, ALTER, DROP, INDEX), none can delete a message, and each can update
+-- only the columns its own statements write: nobody but the owner rewrites a message's
+-- recipients, subject or body. What each grant is for: grants-postgresql.sql, grant by grant.
 --
 -- Run it AFTER `outbox-relay migrate` (a table-level GRANT needs the table), as root or the
--- owner of the database. Six placeholders are filled in by envsubst: RELAY_USER,
--- RELAY_PASSWORD, APP_USER, APP_PASSWORD, DB_NAME, and CLIENT_HOST (where the users connect
--- from; % is anywhere). examples/deploy/README.md has the command line.
+-- owner of the database. envsubst fills in the placeholders: RELAY_USER, APP_USER,
+-- OPERATOR_USER, DB_NAME and CLIENT_HOST (where the users connect from; % is anywhere), pasted
+-- as they are (names you choose: letters, digits, _), and RELAY_PASSWORD_B64,
+-- APP_PASSWORD_B64 and OPERATOR_PASSWORD_B64, each password in base64 (its bytes through
+-- `base64 -w0`, no newline added). Base64 has no quote, backslash or semicolon:
+-- the server decodes each password into a variable and quotes it itself (QUOTE), so a password
+-- is never SQL. An empty or malformed one stops the script before any user is made.
+-- examples/deploy/README.md has the command line.
 --
--- The values are pasted into SQL string literals as they are: keep quotes and backslashes
--- out of them. Running it again is safe (the password is set again, the grants are the same).
--- To remove the users: DROP USER '<user>'@'<host>'; for each. An anonymous user
+-- Running it again is safe (the passwords are set again, the grants are the same). It does
+-- not revoke what an older version of this script granted: first run, for each user,
+-- REVOKE ALL PRIVILEGES, GRANT OPTION FROM '<user>'@'<host>'; (it keeps the user and its
+-- password). To remove the users: DROP USER '<user>'@'<host>'; for each. An anonymous user
 -- (''@'localhost') would take precedence over '<user>'@'%' for local connections: remove it.
 --
--- Who may prune: neither user. `outbox-relay prune` deletes finished messages (and their
--- attempts with them), so it runs with the owner's credentials, the same as `migrate`: an
--- occasional job, not the always-on sidecar. A leaked relay or app password can then never
--- erase the delivery history. Operators' status, list, show, requeue and cancel work with
--- the relay role.
+-- Who may prune: the owner. `outbox-relay prune` deletes finished messages with their
+-- attempts and events, so it runs with the owner's credentials, the same as `migrate`: a
+-- leaked relay, app or operator password can never erase the delivery history.
 
-CREATE USER IF NOT EXISTS '${RELAY_USER}'@'${CLIENT_HOST}' IDENTIFIED BY '${RELAY_PASSWORD}';
-ALTER USER '${RELAY_USER}'@'${CLIENT_HOST}' IDENTIFIED BY '${RELAY_PASSWORD}';
-CREATE USER IF NOT EXISTS '${APP_USER}'@'${CLIENT_HOST}' IDENTIFIED BY '${APP_PASSWORD}';
-ALTER USER '${APP_USER}'@'${CLIENT_HOST}' IDENTIFIED BY '${APP_PASSWORD}';
+-- QUOTE() escapes with backslashes: they must mean escapes in this session
+SET SESSION sql_mode = 'STRICT_ALL_TABLES';
+SET @outbox_host = '${CLIENT_HOST}';
 
--- The relay (relay/store.py); the relay never inserts or deletes a message.
---   outbox_messages: claim (SELECT ... FOR UPDATE SKIP LOCKED, UPDATE, SELECT by claim token),
---     mark_send_started, extend_lease, finalize, retry, fail, hold, release, sweep, expire.
---   outbox_attempts: one INSERT per attempt and per swept send; SELECT for operators' `show`
---     (requeue and cancel add an attempt row too).
---   outbox_relays: register (INSERT, or take over a dead relay's row: UPDATE, SELECT),
---     heartbeat and stop (UPDATE).
---   outbox_send_budget, outbox_send_budget_lock: with --max-send-rate, every send is booked
---     (INSERT) after reading the bookings (SELECT) under the lock row (UPDATE; INSERT puts it
---     back if it is missing); old bookings are deleted (DELETE).
---   outbox_events: the event intake records each event once (INSERT, SELECT).
---   outbox_suppressions: the intake adds bounced and complaining addresses, each send reads
---     them, operators' `suppressions add/remove/import` change them (SELECT, INSERT, UPDATE,
---     DELETE).
---   outbox_operator_actions: every operator command records who did what (INSERT, SELECT).
---   outbox_intakes: each intake replica's heartbeat and the last time it found its queue
---     empty (INSERT, UPDATE, SELECT; the reconcile sweep reads it).
---   the views: SELECT, for `outbox-relay status` and /metrics (which reads outbox_lag).
-GRANT SELECT, UPDATE ON `${DB_NAME}`.`outbox_messages` TO '${RELAY_USER}'@'${CLIENT_HOST}';
+SET @outbox_user = '${RELAY_USER}';
+SET @outbox_password = CONVERT(FROM_BASE64('${RELAY_PASSWORD_B64}') USING utf8mb4);
+SET @outbox_account = CONCAT(QUOTE(@outbox_user), '@', QUOTE(@outbox_host), ' IDENTIFIED BY ',
+    IF(LENGTH(@outbox_password) > 0, QUOTE(@outbox_password), 'RELAY_PASSWORD_B64_bad_base64'));
+PREPARE outbox_user FROM CONCAT('CREATE USER IF NOT EXISTS ', @outbox_account);
+EXECUTE outbox_user;
+PREPARE outbox_user FROM CONCAT('ALTER USER ', @outbox_account);
+EXECUTE outbox_user;
+
+SET @outbox_user = '${APP_USER}';
+SET @outbox_password = CONVERT(FROM_BASE64('${APP_PASSWORD_B64}') USING utf8mb4);
+SET @outbox_account = CONCAT(QUOTE(@outbox_user), '@', QUOTE(@outbox_host), ' IDENTIFIED BY ',
+    IF(LENGTH(@outbox_password) > 0, QUOTE(@outbox_password), 'APP_PASSWORD_B64_bad_base64'));
+PREPARE outbox_user FROM CONCAT('CREATE USER IF NOT EXISTS ', @outbox_account);
+EXECUTE outbox_user;
+PREPARE outbox_user FROM CONCAT('ALTER USER ', @outbox_account);
+EXECUTE outbox_user;
+
+SET @outbox_user = '${OPERATOR_USER}';
+SET @outbox_password = CONVERT(FROM_BASE64('${OPERATOR_PASSWORD_B64}') USING utf8mb4);
+SET @outbox_account = CONCAT(QUOTE(@outbox_user), '@', QUOTE(@outbox_host), ' IDENTIFIED BY ',
+    IF(LENGTH(@outbox_password) > 0, QUOTE(@outbox_password), 'OPERATOR_PASSWORD_B64_bad_base64'));
+PREPARE outbox_user FROM CONCAT('CREATE USER IF NOT EXISTS ', @outbox_account);
+EXECUTE outbox_user;
+PREPARE outbox_user FROM CONCAT('ALTER USER ', @outbox_account);
+EXECUTE outbox_user;
+
+DEALLOCATE PREPARE outbox_user;
+SET @outbox_password = NULL, @outbox_account = NULL;
+
+-- The app (outbox/enqueue.py): INSERT of the columns a new row carries, under GET_LOCK (no
+-- grant needed); a duplicate key's id is read back by key (LOCK IN SHARE MODE). MySQL before
+-- 8.0.22 also wants UPDATE or LOCK TABLES for that locking read; MariaDB and later MySQL do not.
+GRANT INSERT (idempotency_key, category, priority, status, payload, recipients,
+    recipient_count, subject, attempt_count, max_attempts, backoff_base, backoff_cap,
+    ambiguity_policy, reconcile_after, next_attempt_at, expires_at, created_at, updated_at),
+    SELECT (id, idempotency_key)
+    ON `${DB_NAME}`.`outbox_messages` TO '${APP_USER}'@'${CLIENT_HOST}';
+
+-- The relay: `run` (relay/store.py) and `events` (relay/intake.py). It reads every outbox
+-- table (the schema check must see each one: MariaDB lists only the tables a user has a
+-- privilege on) and the views, and writes only these:
+GRANT SELECT, UPDATE (status, claim_token, claimed_by, claimed_at, lease_expires_at,
+    send_started_at, attempt_count, next_attempt_at, last_attempt_at, last_error_code,
+    last_error_message, sent_at, provider_message_id, delivery_status, delivery_status_at,
+    updated_at)
+    ON `${DB_NAME}`.`outbox_messages` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_attempts` TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT, INSERT, UPDATE ON `${DB_NAME}`.`outbox_relays`
-    TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT, UPDATE (host, pid, started_at, heartbeat_at, state)
+    ON `${DB_NAME}`.`outbox_relays` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT, DELETE ON `${DB_NAME}`.`outbox_send_budget`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT, INSERT, UPDATE ON `${DB_NAME}`.`outbox_send_budget_lock`
+GRANT SELECT, INSERT, UPDATE (id) ON `${DB_NAME}`.`outbox_send_budget_lock`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT, UPDATE (effect) ON `${DB_NAME}`.`outbox_events`
+    TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_suppressions` TO '${RELAY_USER}'@'${CLIENT_HOST}';
+-- (INSERT ... ON DUPLICATE KEY UPDATE wants UPDATE on every column it inserts, the key too)
+GRANT SELECT, INSERT, UPDATE ON `${DB_NAME}`.`outbox_intakes` TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_operator_actions` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_status_summary` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_lag` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_unknown_outcomes` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_failures` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_relay_health` TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_events` TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT, INSERT, UPDATE, DELETE ON `${DB_NAME}`.`outbox_suppressions`
-    TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_operator_actions`
-    TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT, INSERT, UPDATE ON `${DB_NAME}`.`outbox_intakes` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_delivery_summary` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_event_intake` TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT ON `${DB_NAME}`.`outbox_operator_log` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 
--- The app (outbox/enqueue.py): INSERT the message, and SELECT (LOCK IN SHARE MODE) the
--- existing row's id when the key is a duplicate. MySQL before 8.0.22 also wants UPDATE or
--- LOCK TABLES for that locking read; MariaDB and later MySQL do not.
-GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_messages` TO '${APP_USER}'@'${CLIENT_HOST}';
+-- Operators (relay/admin.py): read everything; requeue, cancel and resolve move a message and
+-- add an attempt row; suppressions add, import and remove; each writes its log line.
+GRANT SELECT, UPDATE (status, claim_token, lease_expires_at, send_started_at, attempt_count,
+    next_attempt_at, sent_at, provider_message_id, updated_at)
+    ON `${DB_NAME}`.`outbox_messages` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_attempts` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_operator_actions`
+    TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT, DELETE ON `${DB_NAME}`.`outbox_suppressions`
+    TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_relays` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_send_budget` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_send_budget_lock` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_events` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_intakes` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_status_summary` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_lag` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_unknown_outcomes` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_failures` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_relay_health` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_delivery_summary` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_event_intake` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_operator_log` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';

@@ -9,6 +9,7 @@ the schema or delete a message. The roles are dropped when each test ends.
 
 from __future__ import annotations
 
+import base64
 import shutil
 import signal
 import socket
@@ -22,13 +23,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
 from outbox import Outbox
-from outbox.schema import attempts, messages, relays
+from outbox.schema import (
+    DeliveryStatus,
+    EventType,
+    attempts,
+    events,
+    intakes,
+    messages,
+    operator_actions,
+    relays,
+    suppressions,
+)
+from relay.events import SesEvent
+from relay.intake import Effect, apply_deferred, apply_events, record_intake
 from tests.support.db import attempt_rows
 from tests.support.factories import email
 from tests.support.relays import (
@@ -42,8 +56,19 @@ from tests.support.relays import (
 from tests.support.waiting import wait_for
 
 DEPLOY = Path(__file__).resolve().parents[2] / "examples" / "deploy"
-RELAY_ROLE, APP_ROLE = "outbox_relay_test_h8", "outbox_app_test_h8"
-PASSWORD = {RELAY_ROLE: "relay-pw-h8", APP_ROLE: "app-pw-h8"}
+# Unique per run: roles are cluster-wide on PostgreSQL and server-wide on MariaDB, and another
+# run of this module may be using the same server.
+_RUN = uuid.uuid4().hex[:8]
+RELAY_ROLE, APP_ROLE = f"outbox_relay_t{_RUN}", f"outbox_app_t{_RUN}"
+OPERATOR_ROLE = f"outbox_operator_t{_RUN}"
+INJECTED = f"outbox_injected_t{_RUN}"  # what a password spliced into SQL would create
+ROLES = (RELAY_ROLE, APP_ROLE, OPERATOR_ROLE)
+# a quote, a backslash and a semicolon in each, and SQL after the quote: a script that pastes
+# a password into a string literal creates the user INJECTED and sets another password
+PASSWORD = {
+    role: f"{role[7:10]}\\pw'; CREATE USER IF NOT EXISTS '{INJECTED}'@'%' IDENTIFIED BY 'x'; -- "
+    for role in ROLES
+}
 VIEWS = (
     "outbox_status_summary",
     "outbox_lag",
@@ -53,11 +78,13 @@ VIEWS = (
 )
 MARIADB_PLACEHOLDERS = {
     "RELAY_USER",
-    "RELAY_PASSWORD",
     "APP_USER",
-    "APP_PASSWORD",
+    "OPERATOR_USER",
     "DB_NAME",
     "CLIENT_HOST",
+    "RELAY_PASSWORD_B64",
+    "APP_PASSWORD_B64",
+    "OPERATOR_PASSWORD_B64",
 }
 
 
@@ -77,26 +104,23 @@ def run_client(command: list[str], script: str | None = None, **env: str) -> Non
 def apply_postgresql(admin: sa.URL) -> None:
     """``psql -v ... -f grants-postgresql.sql``, as the README says."""
     conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
-    run_client(
-        [
-            "psql",
-            conninfo,
-            "-X",
-            "-q",
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-v",
-            f"relay_role={RELAY_ROLE}",
-            "-v",
-            f"relay_password={PASSWORD[RELAY_ROLE]}",
-            "-v",
-            f"app_role={APP_ROLE}",
-            "-v",
-            f"app_password={PASSWORD[APP_ROLE]}",
-            "-f",
-            str(DEPLOY / "grants-postgresql.sql"),
-        ]
-    )
+    variables = {
+        "relay_role": RELAY_ROLE,
+        "relay_password": PASSWORD[RELAY_ROLE],
+        "app_role": APP_ROLE,
+        "app_password": PASSWORD[APP_ROLE],
+        "operator_role": OPERATOR_ROLE,
+        "operator_password": PASSWORD[OPERATOR_ROLE],
+    }
+    command = ["psql", conninfo, "-X", "-q", "-v", "ON_ERROR_STOP=1"]
+    for name, value in variables.items():
+        command += ["-v", f"{name}={value}"]
+    run_client([*command, "-f", str(DEPLOY / "grants-postgresql.sql")])
+
+
+def base64_of(text: str) -> str:
+    """What ``printf %s "$PASSWORD" | base64 -w0`` prints."""
+    return base64.b64encode(text.encode()).decode()
 
 
 def render_mariadb(database: str) -> str:
@@ -104,18 +128,25 @@ def render_mariadb(database: str) -> str:
     text = (DEPLOY / "grants-mariadb.sql").read_text()
     template = string.Template(text)
     assert template.is_valid()
-    # every "$" in the file is one of the documented placeholders, so envsubst (which also
-    # replaces $NAME) touches nothing else
-    assert text.count("$") == sum(text.count("${" + name + "}") for name in MARIADB_PLACEHOLDERS)
-    assert set(template.get_identifiers()) == MARIADB_PLACEHOLDERS
-    return template.substitute(
-        RELAY_USER=RELAY_ROLE,
-        RELAY_PASSWORD=PASSWORD[RELAY_ROLE],
-        APP_USER=APP_ROLE,
-        APP_PASSWORD=PASSWORD[APP_ROLE],
-        DB_NAME=database,
-        CLIENT_HOST="%",
-    )
+    values = {
+        "RELAY_USER": RELAY_ROLE,
+        "APP_USER": APP_ROLE,
+        "OPERATOR_USER": OPERATOR_ROLE,
+        "DB_NAME": database,
+        "CLIENT_HOST": "%",
+        **{f"{name}_PASSWORD_B64": base64_of(PASSWORD[role]) for name, role in _NAMED},
+        # an older script's placeholders: the password pasted as it is
+        **{f"{name}_PASSWORD": PASSWORD[role] for name, role in _NAMED},
+    }
+    names = set(template.get_identifiers())
+    assert names <= set(values), names - set(values)
+    # every "$" in the file is one of its placeholders, so envsubst (which also replaces $NAME)
+    # touches nothing else
+    assert text.count("$") == sum(text.count("${" + name + "}") for name in names)
+    return template.substitute(values)
+
+
+_NAMED = (("RELAY", RELAY_ROLE), ("APP", APP_ROLE), ("OPERATOR", OPERATOR_ROLE))
 
 
 def apply_mariadb(admin: sa.URL) -> None:
@@ -130,7 +161,7 @@ def apply_mariadb(admin: sa.URL) -> None:
 def drop_roles(admin: sa.Engine) -> None:
     with admin.begin() as conn:
         if admin.dialect.name == "postgresql":
-            for role in (RELAY_ROLE, APP_ROLE):
+            for role in (*ROLES, INJECTED):
                 found = conn.execute(
                     sa.text("SELECT 1 FROM pg_roles WHERE rolname = :role"), {"role": role}
                 ).scalar()
@@ -138,19 +169,19 @@ def drop_roles(admin: sa.Engine) -> None:
                     conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
                     conn.exec_driver_sql(f'DROP ROLE "{role}"')
         else:
-            for role in (RELAY_ROLE, APP_ROLE):
+            for role in (*ROLES, INJECTED):
                 conn.exec_driver_sql(f"DROP USER IF EXISTS '{role}'@'%%'")  # %% for pymysql
 
 
 def role_names(admin: sa.Engine) -> set[str]:
-    """Which of the two roles exist."""
+    """Which of the roles (and the injected one) exist."""
     if admin.dialect.name == "postgresql":
         query = sa.text("SELECT rolname FROM pg_roles WHERE rolname IN :names")
     else:
         query = sa.text("SELECT user FROM mysql.user WHERE user IN :names")
     query = query.bindparams(sa.bindparam("names", expanding=True))
     with admin.connect() as conn:
-        return set(conn.execute(query, {"names": [RELAY_ROLE, APP_ROLE]}).scalars())
+        return set(conn.execute(query, {"names": [*ROLES, INJECTED]}).scalars())
 
 
 @dataclass
@@ -158,6 +189,7 @@ class Roles:
     admin: sa.Engine
     relay_url: str
     app_url: str
+    operator_url: str
     engines: list[sa.Engine] = field(default_factory=list)
 
     def engine(self, url: str) -> sa.Engine:
@@ -166,27 +198,32 @@ class Roles:
         return engine
 
 
+def apply(server_url: str) -> None:
+    """The backend's grant script, run as its README says."""
+    url = sa.make_url(server_url)
+    (apply_postgresql if url.get_backend_name() == "postgresql" else apply_mariadb)(url)
+
+
 @pytest.fixture
 def roles(server_backend) -> Iterator[Roles]:
-    """The relay and app roles created by the grant script (run twice: it must be re-runnable),
-    dropped again when the test ends."""
+    """The relay, app and operator roles created by the grant script (run twice: it must be
+    re-runnable), dropped again when the test ends."""
     admin = server_backend.engine
     url = sa.make_url(server_backend.url)
     drop_roles(admin)  # left over from an interrupted run
-    apply = apply_postgresql if admin.dialect.name == "postgresql" else apply_mariadb
+
+    def url_of(role: str) -> str:
+        return url.set(username=role, password=PASSWORD[role]).render_as_string(hide_password=False)
+
     created = Roles(
         admin=admin,
-        relay_url=url.set(username=RELAY_ROLE, password=PASSWORD[RELAY_ROLE]).render_as_string(
-            hide_password=False
-        ),
-        app_url=url.set(username=APP_ROLE, password=PASSWORD[APP_ROLE]).render_as_string(
-            hide_password=False
-        ),
+        relay_url=url_of(RELAY_ROLE),
+        app_url=url_of(APP_ROLE),
+        operator_url=url_of(OPERATOR_ROLE),
     )
     try:
-        apply(url)
-        apply(url)
-        assert role_names(admin) == {RELAY_ROLE, APP_ROLE}
+        apply(server_backend.url)
+        apply(server_backend.url)
         yield created
     finally:
         for engine in created.engines:
@@ -203,8 +240,8 @@ def permission_denied(engine: sa.Engine, statement: str) -> None:
     if engine.dialect.name == "postgresql":
         assert getattr(error, "sqlstate", None) == "42501", (statement, error)
     else:
-        # 1142: command denied for table; 1044: access denied to the database
-        assert error.args[0] in (1142, 1044), (statement, error)
+        # 1142: command denied for table; 1143: for a column; 1044: to the database
+        assert error.args[0] in (1142, 1143, 1044), (statement, error)
 
 
 def enqueue_as(engine: sa.Engine, keys: list[str]) -> list[tuple[int, bool]]:
@@ -286,6 +323,12 @@ def test_the_app_role_enqueues_new_and_duplicate_keys_and_nothing_more(server_ba
     permission_denied(app, "SELECT COUNT(*) FROM outbox_relays")
     permission_denied(app, "SELECT * FROM outbox_status_summary")
     permission_denied(app, "CREATE TABLE outbox_h8_probe (id INTEGER)")
+    # nor read what it enqueued (bodies, recipients, status), nor write a claim or a result
+    for column in ("payload", "recipients", "subject", "status", "provider_message_id"):
+        permission_denied(app, f"SELECT {column} FROM outbox_messages")
+    permission_denied(app, "SELECT COUNT(*) FROM outbox_suppressions")
+    permission_denied(app, "INSERT INTO outbox_messages (claim_token) VALUES ('forged')")
+    permission_denied(app, "INSERT INTO outbox_messages (sent_at) VALUES (NULL)")
     assert set(message_rows(server_backend.engine)) == {first[0], other[0]}
 
 
@@ -396,6 +439,22 @@ def test_the_relay_role_cannot_change_the_schema_or_delete_messages(server_backe
         "DELETE FROM outbox_attempts",
         "UPDATE outbox_attempts SET outcome = 'accepted'",
         "INSERT INTO outbox_messages (idempotency_key) VALUES ('forged')",
+        # what a message says, who gets it and how it is retried are the app's
+        "UPDATE outbox_messages SET recipients = 'someone@example.org'",
+        "UPDATE outbox_messages SET payload = '{}'",
+        "UPDATE outbox_messages SET subject = 'forged'",
+        "UPDATE outbox_messages SET idempotency_key = 'forged'",
+        "UPDATE outbox_messages SET category = 'forged'",
+        "UPDATE outbox_messages SET max_attempts = 1000",
+        "UPDATE outbox_messages SET expires_at = NULL",
+        # suppressions are only added by the relay; operators remove them
+        "DELETE FROM outbox_suppressions",
+        "UPDATE outbox_suppressions SET reason = 'manual'",
+        # the operators' log and the events' record are not the relay's to rewrite
+        "INSERT INTO outbox_operator_actions (at, actor, action) VALUES "
+        "('2020-01-01', 'relay', 'requeue')",
+        "UPDATE outbox_events SET event_type = 'send'",
+        "DELETE FROM outbox_events",
     ):
         permission_denied(relay, statement)
 
@@ -448,14 +507,14 @@ def operator(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_operators_use_the_relay_role_except_for_prune_which_needs_the_owner(server_backend, roles):
+def test_operators_have_a_role_of_their_own_and_prune_needs_the_owner(server_backend, roles):
     admin = server_backend.engine
-    done, unknown, waiting = (
-        i for i, _ in enqueue_as(roles.engine(roles.app_url), ["a", "b", "c"])
+    done, unknown, waiting, held = (
+        i for i, _ in enqueue_as(roles.engine(roles.app_url), ["a", "b", "c", "d"])
     )
     long_ago = datetime.now(UTC) - timedelta(days=2)
     with admin.begin() as conn:
-        for message_id, status in ((done, "sent"), (unknown, "unknown_outcome")):
+        for message_id, status in ((done, "sent"), (unknown, "unknown_outcome"), (held, "failed")):
             conn.execute(
                 sa.update(messages)
                 .where(messages.c.id == message_id)
@@ -467,23 +526,201 @@ def test_operators_use_the_relay_role_except_for_prune_which_needs_the_owner(ser
             )
         )
 
-    for args in (("status",), ("list",), ("show", str(done))):
-        answer = operator(roles.relay_url, *args)
+    # the relay role no longer runs operators' changes
+    for args in (
+        ("requeue", str(unknown), "--reason", "checked in SES"),
+        ("suppressions", "add", "bounced@example.com", "--reason", "asked"),
+    ):
+        refused = operator(roles.relay_url, *args)
+        assert refused.returncode != 0, (args, refused.stdout)
+        assert "denied" in refused.stdout + refused.stderr, refused.stderr[-2000:]
+
+    url = roles.operator_url
+    for args in (("status",), ("list",), ("show", str(done)), ("suppressions", "list")):
+        answer = operator(url, *args)
         assert answer.returncode == 0, (args, answer.stdout, answer.stderr)
-    requeued = operator(roles.relay_url, "requeue", str(unknown), "--reason", "checked in SES")
-    assert requeued.returncode == 0, requeued.stderr
-    cancelled = operator(roles.relay_url, "cancel", str(waiting))
-    assert cancelled.returncode == 0, cancelled.stderr
+    for args in (
+        ("requeue", str(unknown), "--reason", "checked in SES"),
+        ("cancel", str(waiting)),
+        ("resolve", str(held), "--delivered", "--reason", "the customer has it"),
+        ("suppressions", "add", "bounced@example.com", "--reason", "asked"),
+        ("suppressions", "remove", "bounced@example.com", "--reason", "asked again"),
+        ("suppressions", "add", "gone@example.com", "--reason", "asked"),
+    ):
+        answer = operator(url, *args)
+        assert answer.returncode == 0, (args, answer.stdout, answer.stderr)
     rows = message_rows(admin)
-    assert (rows[unknown].status, rows[waiting].status) == ("pending", "cancelled")
+    assert (rows[unknown].status, rows[waiting].status, rows[held].status) == (
+        "pending",
+        "cancelled",
+        "sent",
+    )
+    with admin.connect() as conn:
+        listed = conn.execute(sa.select(suppressions.c.address)).scalars().all()
+        logged = conn.execute(sa.select(operator_actions.c.action)).scalars().all()
+    assert listed == ["gone@example.com"]
+    assert len(logged) == 6
+
+    # operators cannot rewrite a message, the log, or the record of attempts and events
+    operator_engine = roles.engine(url)
+    for statement in (
+        "UPDATE outbox_messages SET recipients = 'someone@example.org'",
+        "UPDATE outbox_messages SET payload = '{}'",
+        "UPDATE outbox_messages SET claimed_by = 'forged'",
+        "UPDATE outbox_operator_actions SET actor = 'someone else'",
+        "DELETE FROM outbox_operator_actions",
+        "UPDATE outbox_attempts SET outcome = 'accepted'",
+        "DELETE FROM outbox_attempts",
+        "DELETE FROM outbox_events",
+        "DELETE FROM outbox_messages",
+        "DROP TABLE outbox_attempts",
+    ):
+        permission_denied(operator_engine, statement)
 
     prune = ("prune", "--older-than", "1h", "--dedup-window", "1h")
-    refused = operator(roles.relay_url, *prune)
-    assert refused.returncode != 0
-    assert "denied" in refused.stdout + refused.stderr, refused.stderr[-2000:]
+    for role_url in (roles.relay_url, url):
+        refused = operator(role_url, *prune)
+        assert refused.returncode != 0
+        assert "denied" in refused.stdout + refused.stderr, refused.stderr[-2000:]
     assert done in message_rows(admin)
 
     pruned = operator(server_backend.url, *prune)  # the owner: what `migrate` runs as
     assert pruned.returncode == 0, pruned.stderr
-    assert set(message_rows(admin)) == {unknown, waiting}
+    assert done not in message_rows(admin)
     assert done not in {a.message_id for a in attempt_rows(admin)}
+
+
+def ses_event(n: int, kind: EventType, provider_id: str, **fields: Any) -> SesEvent:
+    """An SES event of ``kind`` about the send SES called ``provider_id``."""
+    at = datetime.now(UTC) - timedelta(seconds=5)
+    values: dict[str, Any] = {
+        "key": f"{_RUN}-{n}",
+        "source": "raw",
+        "type": kind,
+        "event_at": at,
+        "mail_at": at,
+        "provider_message_id": provider_id,
+        "tagged_message_id": None,
+        "claim_token": None,
+        "detail": None,
+        "recipients": (),
+        "suppress": (),
+        "delivery_status": None,
+        "error": None,
+    }
+    return SesEvent(**{**values, **fields})
+
+
+def test_the_event_intake_records_and_applies_events_under_the_relay_role(server_backend, roles):
+    """What ``outbox-relay events`` writes, on a connection as the relay role: its intake
+    row, events (new, duplicate, deferred and applied later), a resolved row and its attempt,
+    a raised delivery status, and the suppression of a bounced recipient."""
+    admin = server_backend.engine
+    ids = [i for i, _ in enqueue_as(roles.engine(roles.app_url), ["e:1", "e:2", "e:3"])]
+    unknown, sent, sending = ids
+    now = datetime.now(UTC)
+    with admin.begin() as conn:
+        for message_id, status in (
+            (unknown, "unknown_outcome"),
+            (sent, "sent"),
+            (sending, "processing"),
+        ):
+            conn.execute(
+                sa.update(messages)
+                .where(messages.c.id == message_id)
+                .values(
+                    status=status,
+                    provider_message_id=f"ses-{message_id}",
+                    send_started_at=now - timedelta(minutes=1),
+                    claim_token=str(uuid.uuid4()) if status == "processing" else None,
+                    lease_expires_at=now + timedelta(minutes=5) if status == "processing" else None,
+                )
+            )
+    delivered = ses_event(
+        1, EventType.DELIVERY, f"ses-{unknown}", delivery_status=DeliveryStatus.DELIVERED
+    )
+    bounced = ses_event(
+        2,
+        EventType.BOUNCE,
+        f"ses-{sent}",
+        detail="Permanent/General",
+        recipients=(f"customer{1}@example.com",),
+        suppress=("customer1@example.com",),
+        delivery_status=DeliveryStatus.BOUNCED,
+    )
+    early = ses_event(
+        3, EventType.DELIVERY, f"ses-{sending}", delivery_status=DeliveryStatus.DELIVERED
+    )
+
+    relay = roles.engine(roles.relay_url)
+    with relay.begin() as conn:
+        for caught_up in (False, True):  # the row inserted, then updated
+            record_intake(
+                conn,
+                intake_id=f"intake-{_RUN}",
+                queue_url="https://sqs.example/q",
+                visibility_timeout=30.0,
+                started_at=now,
+                now=now,
+                caught_up=caught_up,
+            )
+    with relay.begin() as conn:
+        applied = apply_events(conn, [delivered, bounced, early, delivered], now=now)
+    assert [a.effect for a in applied] == [
+        Effect.RESOLVED,
+        Effect.STATUS,
+        Effect.DEFERRED,
+        Effect.DUPLICATE,
+    ]
+    assert applied[1].suppressed == ("customer1@example.com",)
+    with admin.begin() as conn:  # its relay saved the send: the deferred event applies now
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == sending)
+            .values(status="sent", claim_token=None, lease_expires_at=None)
+        )
+    with relay.begin() as conn:
+        later = apply_deferred(conn, now=now)
+    assert [(a.message_id, a.effect) for a in later] == [(sending, Effect.STATUS)]
+
+    rows = message_rows(admin)
+    assert rows[unknown].status == "sent"
+    assert (rows[sent].delivery_status, rows[sending].delivery_status) == ("bounced", "delivered")
+    assert [a.outcome for a in attempt_rows(admin)] == ["reconciled"]
+    with admin.connect() as conn:
+        assert conn.execute(sa.select(suppressions.c.address)).scalars().all() == [
+            "customer1@example.com"
+        ]
+        assert conn.execute(sa.select(intakes.c.caught_up_at)).scalar_one() is not None
+        effects = conn.execute(sa.select(events.c.effect).order_by(events.c.id)).scalars().all()
+    assert effects == ["resolved", "status", "status"]
+
+
+def test_a_password_with_a_quote_a_backslash_and_a_semicolon_is_a_value_not_sql(
+    server_backend, roles
+):
+    """Each role logs in with its password, which holds a quote, a backslash, a semicolon
+    and SQL after the quote; nothing that SQL says was run."""
+    assert all(("'" in p and "\\" in p and ";" in p) for p in PASSWORD.values())
+    for url in (roles.relay_url, roles.app_url, roles.operator_url):
+        with roles.engine(url).connect() as conn:
+            assert conn.exec_driver_sql("SELECT 1").scalar_one() == 1
+    assert role_names(server_backend.engine) == set(ROLES)  # and not INJECTED
+
+
+# PostgreSQL only: on MariaDB the script says to revoke first (its REVOKE has no IF EXISTS)
+@pytest.mark.parametrize("server_backend", ["postgresql"], indirect=True)
+def test_running_the_script_again_takes_back_what_an_older_grant_gave(server_backend, roles):
+    """A relay role with every privilege on the outbox tables (as an older script, or a hand,
+    gave it) has exactly the script's grants once the script ran again."""
+    admin = server_backend.engine
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f'GRANT ALL ON outbox_messages, outbox_suppressions TO "{RELAY_ROLE}"')
+    relay = roles.engine(roles.relay_url)
+    with relay.begin() as conn:
+        conn.exec_driver_sql("UPDATE outbox_messages SET subject = 'before'")
+    apply(server_backend.url)
+    permission_denied(relay, "UPDATE outbox_messages SET subject = 'after'")
+    permission_denied(relay, "DELETE FROM outbox_suppressions")
+    with relay.begin() as conn:
+        conn.exec_driver_sql("UPDATE outbox_messages SET updated_at = updated_at")
