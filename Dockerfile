@@ -16,6 +16,8 @@
 #                           and `migrate` the schema owner's URL.
 #   OUTBOX_SENDER           ses (set below), smtp, console, or package.module:factory.
 #   OUTBOX_HTTP_PORT        8080 (set below): /healthz (liveness), /readyz (readiness), /metrics.
+#   OUTBOX_HTTP_HOST        0.0.0.0 (set below; the relay's default is 127.0.0.1): probes come
+#                           from outside the container.
 #   OUTBOX_DRAIN_SECONDS    45 (set below): on SIGTERM, how long sends in flight get to finish.
 #                           Give the container a stop grace period longer than this.
 #   OUTBOX_LOG_LEVEL        INFO (set below).
@@ -55,6 +57,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 
 ENV OUTBOX_SENDER=ses \
     OUTBOX_HTTP_PORT=8080 \
+    OUTBOX_HTTP_HOST=0.0.0.0 \
     OUTBOX_DRAIN_SECONDS=45 \
     OUTBOX_LOG_LEVEL=INFO
 

@@ -212,7 +212,13 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
 
 @main.command()
 @database_url
-@option("--sender", default="console", help="ses, smtp, console, or package.module:factory.")
+@option(
+    "--sender",
+    default=None,
+    show_default=False,
+    help="Required: ses, smtp, package.module:factory, or console (prints a masked line per "
+    "message and delivers nothing: for local work only).",
+)
 @option(
     "--ses-configuration-set",
     default=None,
@@ -288,7 +294,12 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
     default=None,
     help="Serve /healthz, /readyz and /metrics on this port (default: off).",
 )
-@option("--http-host", default="0.0.0.0", help="Address the HTTP endpoint listens on.")
+@option(
+    "--http-host",
+    default="127.0.0.1",
+    help="Address the HTTP endpoint listens on; 0.0.0.0 for probes from outside the host or "
+    "container.",
+)
 @option(
     "--events-queue-url",
     default=None,
@@ -326,6 +337,12 @@ def run(**options: Any) -> None:
         name: options.pop(name) for name in list(options) if name.startswith(("ses_", "smtp_"))
     }
     config = RelayConfig(**options)  # a ConfigurationError is one line (see _Commands)
+    if not config.sender:  # no default: a relay that delivers nothing must be asked for
+        raise ConfigurationError(
+            "--sender",
+            "is required (or OUTBOX_SENDER): ses, smtp, package.module:factory, or console, "
+            "which delivers nothing",
+        )
     sender = build_sender(config.sender, config, sender_options)
     engine = open_engine(config.database_url, read_timeout=READ_TIMEOUT)
     relay = Relay(engine=engine, sender=sender, config=config)
@@ -483,7 +500,12 @@ def _stop_intake(intake: Intake, thread: threading.Thread) -> None:
     default=None,
     help="Serve /healthz, /readyz and /metrics on this port (default: off).",
 )
-@option("--http-host", default="0.0.0.0", help="Address the HTTP endpoint listens on.")
+@option(
+    "--http-host",
+    default="127.0.0.1",
+    help="Address the HTTP endpoint listens on; 0.0.0.0 for probes from outside the host or "
+    "container.",
+)
 def events(**options: Any) -> None:
     """Take SES events from an SQS queue and apply them to the outbox until stopped
     (SIGTERM/SIGINT: after the batch in hand). Any number of replicas may share a queue.

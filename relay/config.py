@@ -49,7 +49,7 @@ class RelayConfig:
     """Settings of one relay process; see ``outbox-relay run --help`` for each."""
 
     database_url: str
-    sender: str = "console"
+    sender: str | None = None  # the CLI's --sender; no default (console delivers nothing)
     concurrency: int = 8
     batch_size: int = 50
     lease_seconds: float = 120.0

@@ -1020,7 +1020,29 @@ class Relay:
                 "each relay its own id (or leave --relay-id unset)",
             )
         self._last_heartbeat = time.monotonic()
-        _log.info("relay started", extra={"action": "started", "relay_id": self.relay_id})
+        self._announce_start()
+
+    def _announce_start(self) -> None:
+        """One line naming what this relay does: its sender and where it sends, its id and
+        its database (the password masked); a warning if the sender delivers nothing."""
+        where = getattr(self.sender, "where", None)
+        details = where() if callable(where) else {}
+        _log.info(
+            "relay started",
+            extra={
+                "action": "started",
+                "relay_id": self.relay_id,
+                "sender_kind": self.sender.name,
+                **details,
+                "database": self.engine.url.render_as_string(hide_password=True),
+            },
+        )
+        if self.sender.name == "console":
+            _log.warning(
+                "the console sender delivers nothing: each message is printed (recipients "
+                "masked) and marked sent; use --sender ses or smtp to deliver",
+                extra={"action": "console_sender"},
+            )
 
     def _holds_row(self, conn: sa.Connection, now: datetime) -> bool:
         """Heartbeat the row this relay registered; False if it has none, or lost it."""

@@ -159,6 +159,11 @@ class BaseSender(abc.ABC):
         """No account rate known."""
         return None
 
+    def where(self) -> dict[str, str]:
+        """Where this sender sends (region, endpoint), for the relay's start line: nothing
+        to say by default."""
+        return {}
+
 
 def as_sender(candidate: object) -> Sender:
     """``candidate`` as a full :class:`Sender`: itself if it has every member, else wrapped so

@@ -424,6 +424,11 @@ class SesSender(BaseSender):
             )
         return Accepted(provider_message_id=message_id)
 
+    def where(self) -> dict[str, str]:
+        """The region and endpoint boto3 resolved (from ``AWS_REGION``, ``AWS_ENDPOINT_URL``)."""
+        meta = self.client.meta
+        return {"region": str(meta.region_name), "endpoint": str(meta.endpoint_url)}
+
     def max_send_rate(self) -> float | None:
         """The account's ``MaxSendRate`` (recipients per second), or None if SES (or an
         emulator) does not answer ``GetAccount``."""

@@ -602,6 +602,10 @@ class SmtpSender(BaseSender):
             if self._connections.get(current) is conn:
                 del self._connections[current]
 
+    def where(self) -> dict[str, str]:
+        """The server and how the connection is encrypted, for the relay's start line."""
+        return {"endpoint": f"{self.settings.host}:{self.port}", "security": self.settings.security}
+
     def close(self) -> None:
         """QUIT and close every connection. Call it when no send is in flight; a later send
         opens a new connection."""

@@ -19,7 +19,7 @@ from tests.support.relays import RELAY, clean_env
 # Each command with arguments that make it go as far as its database. A new command must be
 # added here, so that its start-up errors are checked too.
 COMMAND_ARGS = {
-    "run": ["--exit-when-idle", "--poll-interval", "0.1"],
+    "run": ["--sender", "console", "--exit-when-idle", "--poll-interval", "0.1"],
     "migrate": [],
     "status": [],
     "list": [],

@@ -143,6 +143,7 @@ def test_a_queue_that_does_not_exist_is_refused_naming_its_url(backend: Backend,
             backend.url,
             "--events-queue-url",
             missing,
+            *(["--sender", "console"] if command == "run" else []),
             env=env_for(queue),
         )
         line = refusal(done)

@@ -25,13 +25,14 @@ from tests.support.relays import (
 from tests.support.waiting import wait_for
 
 FAST = ("--poll-interval", "0.1")
+SENDER = ("--sender", "console")
 
 
 def test_run_refuses_an_unmigrated_database_in_one_line(tmp_path):
     database = tmp_path / "empty.db"
     database.touch()
     done = subprocess.run(
-        [RELAY, "run", "--database-url", f"sqlite:///{database}", "--exit-when-idle"],
+        [RELAY, "run", "--database-url", f"sqlite:///{database}", *SENDER, "--exit-when-idle"],
         capture_output=True,
         text=True,
         timeout=20,

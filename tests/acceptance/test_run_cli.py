@@ -110,7 +110,7 @@ def db_path(tmp_path):
 
 
 def _settings(settings: dict[str, str], db_path) -> dict[str, str]:
-    return {"--database-url": f"sqlite:///{db_path}", **settings}
+    return {"--database-url": f"sqlite:///{db_path}", "--sender": "console", **settings}
 
 
 def _without_env_hint(line: str) -> str:
@@ -365,3 +365,83 @@ def test_a_sender_whose_members_raise_is_refused_in_one_line(tmp_path):
     line = refusal(run_hostile(tmp_path, url, "unnamed"))
     assert "--sender" in line
     assert "no name" in line
+
+
+# -- no sender by default, and what a start says ------------------------------------------------
+
+
+def test_run_without_a_sender_is_refused_naming_it(db_path):
+    """A sidecar installed without OUTBOX_SENDER must not mark every message sent."""
+    line = refusal(relay("run", "--database-url", f"sqlite:///{db_path}"))
+    assert line.startswith("Error: --sender: is required")
+    assert "console, which delivers nothing" in line
+    as_env = refusal(relay("run", OUTBOX_DATABASE_URL=f"sqlite:///{db_path}"))
+    assert as_env == line
+
+
+def test_the_console_sender_says_it_delivers_nothing_and_masks_every_recipient(tmp_path):
+    url = f"sqlite:///{tmp_path / 'console.db'}"
+    assert relay("migrate", "--database-url", url).returncode == 0
+    engine = sa.create_engine(url)
+    enable_savepoints(engine)
+    try:
+        ids = enqueue(engine, 2, prefix="console")
+        done = relay("run", "--database-url", url, "--sender", "console", "--exit-when-idle")
+        assert done.returncode == 0, done.stderr
+        assert "action=console_sender" in done.stderr
+        assert "delivers nothing" in done.stderr
+        lines = done.stdout.splitlines()
+        assert [line.split()[2] for line in lines] == [str(i) for i in ids]
+        for line, row in zip(lines, message_rows(engine).values(), strict=True):
+            for address in row.recipients.split(", "):
+                assert address not in line  # never unmasked
+                assert f"{address[0]}***@{address.split('@')[1]}" in line
+            assert row.subject not in line
+            assert "not delivered" in line
+    finally:
+        engine.dispose()
+
+
+def test_every_run_starts_with_one_line_naming_sender_endpoint_relay_and_database(tmp_path):
+    url = f"sqlite:///{tmp_path / 'banner.db'}"
+    assert relay("migrate", "--database-url", url).returncode == 0
+    done = relay(
+        "run",
+        "--database-url",
+        url,
+        "--sender",
+        "ses",
+        "--relay-id",
+        "banner-1",
+        "--exit-when-idle",
+        AWS_REGION="eu-west-1",
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_ENDPOINT_URL_SESV2="http://127.0.0.1:9",
+    )
+    assert done.returncode == 0, done.stderr
+    (first,) = [x for x in done.stderr.splitlines() if "action=started" in x]
+    for field in (
+        "sender_kind=ses",
+        "region=eu-west-1",
+        "endpoint=http://127.0.0.1:9",
+        "relay_id=banner-1",
+        f"database={url}",
+    ):
+        assert field in first, first
+
+
+def test_the_start_line_masks_the_database_password(postgres_backend):
+    url = sa.make_url(postgres_backend.url).set(password="s3cret-pw")  # trust auth ignores it
+    done = relay(
+        "run",
+        "--database-url",
+        url.render_as_string(hide_password=False),
+        "--sender",
+        FAKE_SENDER,
+        "--exit-when-idle",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "s3cret-pw" not in done.stderr + done.stdout
+    (line,) = [x for x in done.stderr.splitlines() if "action=started" in x]
+    assert ":***@" in line

@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib.metadata
+import logging
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -101,6 +103,45 @@ def running(relay: Relay):
     assert not thread.is_alive()
 
 
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def actions(self, action: str) -> list[str]:
+        """The messages of the lines with ``action``."""
+        return [r.getMessage() for r in self.records if getattr(r, "action", None) == action]
+
+
+@contextmanager
+def http_log():
+    """The ``relay.http`` logger's records, whatever another test made of the ``relay``
+    logger's level or propagation."""
+    logger = logging.getLogger("relay.http")
+    records, level = Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+
+
+@contextmanager
+def unstarted_relay(tmp_path):
+    """A relay never run (its /healthz says starting), on a database it never opens."""
+    url = f"sqlite:///{tmp_path / 'unused.db'}"
+    engine = make_engine(url)
+    try:
+        yield relay_for(None, FakeSender(), engine=engine, url=url)
+    finally:
+        engine.dispose()
+
+
 def db_counts(engine, query: str) -> dict[tuple, int]:
     with engine.connect() as conn:
         return {tuple(row[:-1]): int(row[-1]) for row in conn.execute(sa.text(query))}
@@ -142,25 +183,32 @@ def test_healthz_fails_while_the_loop_is_stuck(backend):
         return datetime.now(UTC)
 
     relay = relay_for(backend, FakeSender(), clock=clock)
-    with serving(relay, stall_seconds=0.3) as http, running(relay):
+    with http_log() as log, serving(relay, stall_seconds=0.3) as http, running(relay):
         assert http.get("/healthz").status == 200
         gate.clear()
         time.sleep(0.6)
         page = http.get("/healthz")
-        assert page.status == 503
-        assert page.body.startswith("loop stalled for ")
+        assert (page.status, page.body) == (503, "stalled\n")
+        assert http.get("/healthz").body == "stalled\n"
         gate.set()
         wait_for(lambda: http.get("/healthz").status == 200)
+    (stalled, recovered) = log.actions("http_probe")
+    assert stalled.startswith("/healthz answers stalled: no pass of the loop for ")
+    assert stalled.endswith("s (limit 0.3s)")
+    assert recovered == "/healthz answers ok"
 
 
 def test_readyz_is_503_while_paused_and_the_lag_shows_the_waiting_message(backend):
     (mid,) = enqueue(backend.engine, 1)
     sender = FakeSender(lambda m: Disabled(code="AccountSendingPausedException", pause=True))
     relay = relay_for(backend, sender, pause_seconds=300)
-    with serving(relay) as http, running(relay):
+    with http_log() as log, serving(relay) as http, running(relay):
         wait_for(lambda: relay.paused)
         page = http.get("/readyz")
-        assert (page.status, page.body) == (503, "paused: AccountSendingPausedException\n")
+        assert (page.status, page.body) == (503, "paused\n")
+        assert log.actions("http_probe") == [
+            "/readyz answers paused: sending paused: AccountSendingPausedException"
+        ]
         assert http.get("/healthz").status == 200, "a paused relay is alive"
         # The released message is due and nobody sends it: make it two minutes late.
         with backend.engine.begin() as conn:
@@ -190,17 +238,25 @@ def test_readyz_is_503_while_paused_and_the_lag_shows_the_waiting_message(backen
     ],
     ids=["postgresql", "mysql", "sqlite"],
 )
-def test_readyz_reports_an_unreachable_database_without_its_password(url):
+def test_readyz_says_database_unreachable_and_logs_the_error_without_its_password(url):
+    """The driver's error names the host, port and user: the page says only the code word,
+    to anyone who reaches the port; the log has the error, once, not once a probe."""
     engine = make_engine(url)
     try:
         relay = relay_for(None, FakeSender(), engine=engine, url=url)
-        with serving(relay) as http:
+        with http_log() as log, serving(relay) as http:
             page = http.get("/readyz")
-            assert page.status == 503
-            assert page.body.startswith("database unreachable: OperationalError: ")
-            assert "s3cret-pw" not in page.body
-            assert page.body.count("\n") == 1, "one short line"
-            assert http.get("/readyz").body == page.body, "cached, same answer"
+            assert (page.status, page.body) == (503, "database_unreachable\n")
+            assert http.get("/readyz").body == page.body
+            (line,) = log.actions("http_probe")
+            assert line.startswith("/readyz answers database_unreachable: OperationalError: ")
+            assert "s3cret-pw" not in line
+            (record,) = [r for r in log.records if r.getMessage() == line]
+            assert (record.levelname, record.probe, record.code) == (
+                "WARNING",
+                "/readyz",
+                "database_unreachable",
+            )
             # /metrics still answers; the lag it cannot read is left out and counted.
             samples = http.samples()
             assert value(samples, "outbox_lag_refresh_errors_total") == 1.0
@@ -221,14 +277,14 @@ def test_readyz_answers_within_its_timeout_when_the_database_hangs():
         engine = make_engine(url)
         try:
             relay = relay_for(None, FakeSender(), engine=engine, url=url)
-            with serving(relay, db_timeout=0.3) as http:
+            with http_log() as log, serving(relay, db_timeout=0.3) as http:
                 began = time.monotonic()
                 page = http.get("/readyz")
                 assert time.monotonic() - began < 2.0
-                assert (page.status, page.body) == (
-                    503,
-                    "database unreachable: no answer within 0.3s\n",
-                )
+                assert (page.status, page.body) == (503, "database_unreachable\n")
+                assert log.actions("http_probe") == [
+                    "/readyz answers database_unreachable: no answer within 0.3s"
+                ]
                 probes = [t for t in threading.enumerate() if t.name == "outbox-db-probe"]
                 began = time.monotonic()
                 assert http.get("/readyz").status == 503
@@ -322,6 +378,91 @@ def test_a_database_host_that_never_answers_does_not_stall_the_loop_past_its_hea
             thread.join(10)
             engine.dispose()
     assert not thread.is_alive()
+
+
+# -- the endpoint's own limits --------------------------------------------------------------
+
+
+def test_the_endpoint_listens_on_the_loopback_unless_told_otherwise(tmp_path):
+    with unstarted_relay(tmp_path) as relay:
+        metrics = RelayMetrics(relay, lag_interval=0.0)
+        server = start_http_server(relay, metrics, 0)
+        try:
+            assert server.host == "127.0.0.1"
+        finally:
+            server.stop()
+            metrics.close()
+
+
+def test_slow_clients_take_a_bounded_number_of_threads_and_healthz_still_answers(tmp_path):
+    """60 clients each sending a byte a second, never a whole request: they hold at most
+    the connection limit's threads (16), and a probe is answered at once among them."""
+    with unstarted_relay(tmp_path) as relay, serving(relay) as http:
+        before = threading.active_count()
+        clients: list[socket.socket] = []
+        try:
+            for _ in range(60):
+                client = socket.create_connection(("127.0.0.1", http.server.port), timeout=5)
+                clients.append(client)
+                client.sendall(b"G")
+            for _ in range(3):
+                time.sleep(1.0)
+                for client in clients:
+                    with contextlib.suppress(OSError):  # closed by the server
+                        client.sendall(b"E")
+                assert threading.active_count() - before <= 16
+                began = time.monotonic()
+                page = http.get("/healthz")
+                assert (page.status, page.body) == (503, "starting\n")
+                assert time.monotonic() - began < 1.0
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_a_client_that_never_finishes_its_request_is_closed_after_the_head_deadline(tmp_path):
+    """A byte a second resets no deadline: the request head has 5 s in all, then the
+    connection is closed without an answer, and the log says so in one line."""
+    with (
+        unstarted_relay(tmp_path) as relay,
+        http_log() as log,
+        serving(relay) as http,
+        socket.create_connection(("127.0.0.1", http.server.port), timeout=10) as client,
+    ):
+        began = time.monotonic()
+        received = None
+        for byte in b"GET /healthz HTTP/1.0\r\nX-Slow: " + b"x" * 20:
+            try:
+                client.sendall(bytes([byte]))
+                client.settimeout(1.0)
+                received = client.recv(100)
+            except TimeoutError:
+                continue
+            except OSError:  # reset while a byte was on its way
+                received = b""
+            break
+        assert received == b"", "closed, no answer"
+        assert 4.5 <= time.monotonic() - began < 7.0
+        wait_for(lambda: log.actions("http_timeout"))
+        assert log.actions("http_timeout") == [
+            "closed 1 connection(s) that sent no request within 5s"
+        ]
+
+
+def test_a_client_that_resets_mid_request_is_one_log_line_and_nothing_on_stderr(tmp_path, capfd):
+    with unstarted_relay(tmp_path) as relay, http_log() as log, serving(relay) as http:
+        with socket.create_connection(("127.0.0.1", http.server.port), timeout=5) as client:
+            client.sendall(b"GET /healthz HTTP/1.0\r\nHost: relay\r\n")
+            time.sleep(0.2)  # the server waits for the rest of the head
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        wait_for(lambda: log.actions("http_error"))
+        time.sleep(0.2)  # room for a second line
+        assert http.get("/healthz").status == 503, "still serving"
+    (line,) = log.actions("http_error")
+    assert line.startswith("request from 127.0.0.1 failed: ")
+    assert "Error" in line
+    assert "\n" not in line
+    assert capfd.readouterr().err == ""
 
 
 # -- metrics -------------------------------------------------------------------------------
