@@ -29,6 +29,7 @@ from relay.cli_options import (
     open_engine,
     option,
     safe_url,
+    warn_secret_flag,
 )
 from relay.config import EVENTS_WAIT_RANGE, IntakeConfig, RelayConfig
 from relay.db import READ_TIMEOUT
@@ -233,7 +234,13 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
     help="How the SMTP connection is encrypted.",
 )
 @option("--smtp-username", default=None, help="SMTP user, if the server needs AUTH.")
-@option("--smtp-password", default=None, show_default=False, help="SMTP password.")
+@option(
+    "--smtp-password",
+    default=None,
+    show_default=False,
+    callback=warn_secret_flag,
+    help="SMTP password (better as OUTBOX_SMTP_PASSWORD: a flag shows in the process list).",
+)
 @option(
     "--smtp-timeout",
     type=float,

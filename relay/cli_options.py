@@ -26,6 +26,7 @@ __all__ = [
     "open_engine",
     "option",
     "safe_url",
+    "warn_secret_flag",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -39,10 +40,34 @@ def option(name: str, *, env: str | None = None, **kw: Any) -> Callable[[_F], _F
     return click.option(name, envvar=env, show_envvar=True, **kw)
 
 
+def warn_secret_flag(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """A secret given as a flag is in the process list (``ps``) for every user of the
+    machine: say so once, on stderr, and go on."""
+    if not value or param.name is None:
+        return value
+    if ctx.get_parameter_source(param.name) is not click.core.ParameterSource.COMMANDLINE:
+        return value
+    flag = param.opts[0]
+    if flag == "--database-url":
+        try:
+            if sa.make_url(value).password is None:
+                return value
+        except ArgumentError:
+            return value  # not a URL: its own error comes later
+    envvar = param.envvar if isinstance(param.envvar, str) else "its variable"
+    click.echo(
+        f"Warning: {flag} holds a password on the command line, where other users of this "
+        f"machine can read it (ps); set {envvar} instead",
+        err=True,
+    )
+    return value
+
+
 database_url = option(
     "--database-url",
     required=True,
     show_default=False,
+    callback=warn_secret_flag,
     help="SQLAlchemy URL of the database holding the outbox tables.",
 )
 

@@ -725,6 +725,7 @@ def test_k8s_probes_security_and_secrets_of_the_relay_sidecar():
 
     uid, _, gid = DOCKERFILE.runtime.last("USER").partition(":")
     assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False  # no Kubernetes API token to steal
     mounts_tmp = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
     for container in (relay, migrate, *pod["containers"]):
         security = container["securityContext"]
@@ -763,6 +764,31 @@ def test_k8s_probes_security_and_secrets_of_the_relay_sidecar():
         assert "://" not in value
         assert "secret" not in value.lower()
     assert env["AWS_DEFAULT_REGION"] == env["AWS_REGION"]
+
+
+def test_k8s_a_network_policy_keeps_the_relays_port_to_monitoring():
+    """The relay's port (metrics, readiness) is not for every pod of the cluster."""
+    deployment = k8s_deployment()
+    (policy,) = (
+        doc
+        for doc in yaml.safe_load_all((DEPLOY / "k8s-sidecar.yaml").read_text())
+        if doc and doc.get("kind") == "NetworkPolicy"
+    )
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    pod = deployment["spec"]["template"]["spec"]
+    relay, _ = relay_and_migrate(pod)
+    relay_port = relay["ports"][0]["containerPort"]
+    rules = policy["spec"]["ingress"]
+    for rule in rules:
+        ports = {p["port"] for p in rule["ports"]}
+        if relay_port in ports:
+            (peer,) = rule["from"]  # only from the monitoring namespace
+            assert "namespaceSelector" in peer
+    assert any(relay_port in {p["port"] for p in r["ports"]} for r in rules)
+    app_ports = {p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+    assert app_ports <= {p["port"] for r in rules if "from" not in r for p in r["ports"]}
 
 
 def test_k8s_the_relay_settings_of_the_manifest_start_a_relay(image, moto, tmp_path):

@@ -445,3 +445,32 @@ def test_the_start_line_masks_the_database_password(postgres_backend):
     assert "s3cret-pw" not in done.stderr + done.stdout
     (line,) = [x for x in done.stderr.splitlines() if "action=started" in x]
     assert ":***@" in line
+
+
+def test_a_password_given_as_a_flag_is_warned_about_and_as_a_variable_is_not(tmp_path):
+    """A flag is in the process list for every user of the machine; a variable is not."""
+    url = f"sqlite:///{tmp_path / 'never.db'}"
+    flags = relay(
+        "run",
+        "--database-url",
+        url,
+        "--sender",
+        "smtp",
+        "--smtp-password",
+        "pw",
+        "--smtp-host",
+        "",
+    )
+    warnings = [line for line in flags.stderr.splitlines() if line.startswith("Warning:")]
+    assert warnings == [
+        "Warning: --smtp-password holds a password on the command line, where other users of "
+        "this machine can read it (ps); set OUTBOX_SMTP_PASSWORD instead"
+    ]
+    quiet = relay(
+        "run", "--sender", "smtp", "--smtp-host", "", OUTBOX_DATABASE_URL=url,
+        OUTBOX_SMTP_PASSWORD="pw",
+    )  # fmt: skip
+    assert "Warning:" not in quiet.stderr
+    with_password = relay("status", "--database-url", "postgresql://u:secret@127.0.0.1:9/x")
+    assert "Warning: --database-url holds a password" in with_password.stderr
+    assert "secret" not in with_password.stderr
