@@ -12,11 +12,21 @@ call, lets the next message probe at once).
 from __future__ import annotations
 
 import enum
+import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-__all__ = ["ACCOUNT", "Admission", "Pauses", "Scope", "ScopeKind"]
+__all__ = [
+    "ACCOUNT",
+    "Admission",
+    "Pauses",
+    "Scope",
+    "ScopeKind",
+    "identity",
+    "resource_scope",
+    "unverified_scope",
+]
 
 
 class ScopeKind(enum.StrEnum):
@@ -30,16 +40,86 @@ class ScopeKind(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class Scope:
     """One pausable part of sending. ``name`` is the configuration set (empty: the sender's
-    default) or the identity (an address or a domain, lower case)."""
+    default) or the identity (an address or a domain, lower case).
+
+    ``via`` (a From address) marks a configuration set that messages reach without naming
+    one: a default of the sending identity (or of the relay). Such a scope holds the messages
+    from ``via`` that name no configuration set; other senders' mail, and mail from ``via``
+    that names its set, goes on."""
 
     kind: ScopeKind
     name: str = ""
+    via: str = ""
 
     def __str__(self) -> str:
-        return self.kind.value if self.kind is ScopeKind.ACCOUNT else f"{self.kind}:{self.name}"
+        if self.kind is ScopeKind.ACCOUNT:
+            return self.kind.value
+        return f"{self.kind}:{self.name}" + (f" via identity:{self.via}" if self.via else "")
+
+    def holds(self, scopes: Collection[Scope]) -> bool:
+        """Whether a message that belongs to ``scopes`` is one of this scope's."""
+        if not self.via:
+            return self in scopes
+        return (
+            Scope(ScopeKind.CONFIGURATION_SET) in scopes
+            and Scope(ScopeKind.IDENTITY, self.via) in scopes
+        )
 
 
 ACCOUNT = Scope(ScopeKind.ACCOUNT)
+
+
+def identity(sender: str) -> str:
+    """The address of a From (``"Shop <Shop@Example.com>"``: ``shop@example.com``), the name
+    of its identity scope."""
+    return sender.rsplit("<", 1)[-1].rstrip(">").strip().lower()
+
+
+# SES: "Email address is not verified. The following identities failed the check in region
+# US-EAST-1: Shop <shop@example.com>, someone@example.org" (API and SMTP interface alike)
+_FAILED_CHECK = re.compile(r"identities failed the check in region\b[^:]*:(.*)", re.I | re.S)
+_ADDRESS = re.compile(r"[^\s<>,;:\"'`()\[\]]+@[^\s<>,;:\"'`()\[\]]+")
+# an access denial names the resource: "... on resource `arn:aws:ses:...:identity/x'"
+_IDENTITY_RESOURCE = re.compile(r":identity/([^\s'`\"]+)")
+_CONFIGURATION_SET_RESOURCE = re.compile(r":configuration-set/([^\s'`\"]+)")
+
+
+def unverified_scope(text: str, sender: str) -> Scope | None:
+    """The identity scope of ``sender`` if ``text`` is SES's "identities failed the check"
+    refusal naming it (its address or its domain, in any case, with or without a display
+    name): the sender is not verified in the region sent to. None if the text names only
+    other identities (the SES sandbox's unverified recipients: the message's own problem)."""
+    found = _FAILED_CHECK.search(text)
+    if found is None or not sender:
+        return None
+    listed = found.group(1)
+    named = {a.rstrip(".").lower() for a in _ADDRESS.findall(listed)}
+    named |= {item.strip().rstrip(".").lower() for item in listed.split(",") if "@" not in item}
+    address = identity(sender)
+    domain = address.rpartition("@")[2]
+    if address in named:
+        return Scope(ScopeKind.IDENTITY, address)
+    if domain in named:
+        return Scope(ScopeKind.IDENTITY, domain)
+    return None
+
+
+def resource_scope(text: str, *, sender: str, configuration_set: str | None) -> Scope | None:
+    """The scope an access denial names for a message from ``sender`` that named
+    ``configuration_set`` (None: none), or None if it names no resource.
+
+    An identity resource is that identity. A configuration set is the one SES named, by its
+    name: for a message that named it, every message naming it; for a message that named
+    none, SES used a default (the From identity's, or the relay's ``--configuration-set``),
+    so the messages from that From address that name no set (:attr:`Scope.via`)."""
+    if found := _IDENTITY_RESOURCE.search(text):
+        return Scope(ScopeKind.IDENTITY, found.group(1).lower())
+    if found := _CONFIGURATION_SET_RESOURCE.search(text):
+        name = found.group(1)
+        if configuration_set is not None or not sender:
+            return Scope(ScopeKind.CONFIGURATION_SET, name)
+        return Scope(ScopeKind.CONFIGURATION_SET, name, via=identity(sender))
+    return None
 
 
 class Admission(enum.StrEnum):
@@ -98,8 +178,15 @@ class Pauses:
     def remaining(self, scopes: Iterable[Scope]) -> float:
         """Seconds until the first probe of the paused scopes among ``scopes`` (0 if none)."""
         now = self._clock()
-        waits = [max(0.0, self._pauses[s].until - now) for s in scopes if s in self._pauses]
+        waits = [max(0.0, self._pauses[s].until - now) for s in self._holding(scopes)]
         return max(waits, default=0.0)
+
+    def _holding(self, scopes: Iterable[Scope]) -> list[Scope]:
+        """The paused scopes that hold a message of ``scopes``: its own, in its order, then
+        the defaults reached through its identity (:attr:`Scope.via`)."""
+        mine = tuple(scopes)
+        held = [s for s in mine if s in self._pauses]
+        return held + [p for p in self._pauses if p.via and p.holds(mine)]
 
     def probe_due(self, scope: Scope = ACCOUNT) -> bool:
         """True if ``scope`` is paused, no probe of it is out, and its probe time has come."""
@@ -109,7 +196,7 @@ class Pauses:
     def admit(self, scopes: Iterable[Scope]) -> tuple[Admission, Scope | None]:
         """What to do with a message that belongs to ``scopes``; for a probe, the scope it
         probes (a probe is taken out at once: the next message of that scope is held)."""
-        held = [s for s in scopes if s in self._pauses]
+        held = self._holding(scopes)
         if not held:
             return Admission.SEND, None
         for scope in held:

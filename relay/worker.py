@@ -42,7 +42,7 @@ from relay import signals, store
 from relay.clock import DatabaseClock
 from relay.config import RelayConfig, valid_send_rate
 from relay.db import READ_COMMITTED
-from relay.pause import ACCOUNT, Admission, Pauses, Scope, ScopeKind
+from relay.pause import ACCOUNT, Admission, Pauses, Scope, ScopeKind, identity
 from relay.policy import Action, Decision, decide
 from relay.ratelimit import RateController, SendBudget, Slot
 from relay.senders import (
@@ -140,7 +140,7 @@ def _is_outage(exc: sa.exc.DBAPIError) -> bool:
 def _scopes(email: Email) -> tuple[Scope, ...]:
     """The pausable scopes a message belongs to: the account, its configuration set (empty:
     the sender's default), its From address and domain."""
-    address = email.sender.rsplit("<", 1)[-1].rstrip(">").strip().lower()
+    address = identity(email.sender)
     domain = address.rpartition("@")[2]
     return (
         ACCOUNT,
@@ -1171,7 +1171,7 @@ class Relay:
         if scope is None:
             chosen, later = self._ready, None
         else:
-            chosen = [r for r in self._ready if scope in _scopes(r.email)]
+            chosen = [r for r in self._ready if scope.holds(_scopes(r.email))]
             later = self.clock() + timedelta(seconds=self.config.pause_seconds)
         if not chosen:
             return

@@ -20,10 +20,12 @@ far the call got (:class:`Progress`), and :func:`classify` reads the exception i
   did not accept the message. Throttling and 5xx are transient, stops (paused, suspended, bad
   credentials, daily quota) pause without using attempts, each with its scope (see
   :func:`pause_scope`: a paused configuration set or a sending identity the credentials may
-  not use holds only its own messages; anything else stops the account),
-  configuration errors and rejections are permanent. An error code this table does not know
-  is transient if its HTTP status is 429 or 5xx, else permanent. A success is SES's only with
-  its ``MessageId``.
+  not use holds only its own messages; anything else stops the account), a rejection that
+  names the From identity ("Email address is not verified. The following identities failed
+  the check in region ...": not verified there) pauses that identity, configuration errors
+  and other rejections (recipients named: the SES sandbox) are permanent. An error code
+  this table does not know is transient if its HTTP status is 429 or 5xx, else permanent. A
+  success is SES's only with its ``MessageId``.
 * **Sent, and no answer or not SES's**: a read timeout, a closed connection, a TLS error while
   reading the answer, a 502 or 504 (or any status) from a proxy or load balancer without SES's
   error code and request id, a 200 without a ``MessageId``, an exception this module does not
@@ -40,7 +42,6 @@ import enum
 import json
 import logging
 import os
-import re
 import ssl
 import threading
 from collections.abc import Iterator
@@ -51,7 +52,7 @@ import botocore.exceptions as bex
 from botocore.config import Config
 
 from outbox.exceptions import ConfigurationError
-from relay.pause import ACCOUNT, Scope, ScopeKind
+from relay.pause import ACCOUNT, Scope, ScopeKind, resource_scope, unverified_scope
 from relay.senders import (
     Accepted,
     Ambiguous,
@@ -127,12 +128,12 @@ class Progress(enum.Enum):
     SENT = "sent"  # handed to the HTTP layer: from here on SES may have it
 
 
-def classify(exc: BaseException, *, progress: Progress) -> Outcome:
-    """What an exception from ``sesv2.send_email`` means for the message, given how far the
-    call got (see the module docstring for the rule). Pure."""
+def classify(exc: BaseException, *, progress: Progress, sender: str = "") -> Outcome:
+    """What an exception from ``sesv2.send_email`` means for a message from ``sender`` (its
+    From), given how far the call got (see the module docstring for the rule). Pure."""
     text = str(exc)
     if _is_ses_answer(exc):  # an answer to SendEmail: it was sent, whatever was recorded
-        return _answer(exc)
+        return _answer(exc, sender)
     if progress is Progress.PREPARING:
         if isinstance(exc, bex.ParamValidationError):
             return Permanent(code="InvalidRequest", message=text)
@@ -161,30 +162,26 @@ _NEVER_CONNECTED = frozenset(
 )
 
 
-_IDENTITY_RESOURCE = re.compile(r":identity/([^\s'`\"]+)")
-_CONFIGURATION_SET_RESOURCE = re.compile(r":configuration-set/([^\s'`\"]+)")
-
-
-def pause_scope(code: str, text: str, configuration_set: str | None) -> Scope:
-    """What a pausing SES answer stops, for a message sent with ``configuration_set`` (None:
-    the sender's default). Pure.
+def pause_scope(code: str, text: str, configuration_set: str | None, *, sender: str = "") -> Scope:
+    """What a pausing SES answer stops, for a message from ``sender`` sent with
+    ``configuration_set`` (None: it named none). Pure.
 
     ``ConfigurationSetSendingPausedException`` stops one configuration set; an access denial
-    that names an identity (``...:identity/example.com``) or a configuration set resource stops
-    that one; every other stop (the account paused or suspended, credentials refused, the
-    daily quota) stops the account."""
+    that names an identity (``...:identity/example.com``) or a configuration set resource
+    (``...:configuration-set/marketing``) stops that one, by the name SES gave (see
+    :func:`relay.pause.resource_scope`: a set the message did not name is a default, reached
+    through its From address); every other stop (the account paused or suspended,
+    credentials refused, the daily quota) stops the account."""
     if code == "ConfigurationSetSendingPausedException":
         return Scope(ScopeKind.CONFIGURATION_SET, configuration_set or "")
     if code in ("AccessDeniedException", "AccessDenied"):
-        if found := _IDENTITY_RESOURCE.search(text):
-            return Scope(ScopeKind.IDENTITY, found.group(1).lower())
-        if found := _CONFIGURATION_SET_RESOURCE.search(text):
-            name = found.group(1)
-            return Scope(ScopeKind.CONFIGURATION_SET, "" if configuration_set is None else name)
+        scope = resource_scope(text, sender=sender, configuration_set=configuration_set)
+        if scope is not None:
+            return scope
     return ACCOUNT
 
 
-def _answer(exc: bex.ClientError) -> Outcome:
+def _answer(exc: bex.ClientError, sender: str) -> Outcome:
     """SES's own error answer: it did not accept the message."""
     error = exc.response.get("Error", {})
     code = str(error.get("Code") or "Unknown")
@@ -198,6 +195,10 @@ def _answer(exc: bex.ClientError) -> Outcome:
         return Disabled(code=code, message=text, pause=True)
     if code in _MISCONFIGURED:
         return Permanent(code=code, message=text, config_error=True)
+    if scope := unverified_scope(text, sender):
+        # the From identity is not verified in this region: every message from it is refused
+        # alike until someone verifies it (or fixes AWS_REGION); its mail waits, the rest goes
+        return Disabled(code=code, message=text, pause=True, scope=scope)
     if code in _REJECTED:
         return Permanent(code=code, message=text)
     if status >= 500:
@@ -411,9 +412,12 @@ class SesSender(BaseSender):
         try:
             response = self.client.send_email(**request)
         except Exception as exc:  # classified, never raised: see classify()
-            outcome = classify(exc, progress=progress.reached)
-            if isinstance(outcome, Disabled) and outcome.pause:
-                scope = pause_scope(outcome.code, outcome.message, message.email.configuration_set)
+            email = message.email
+            outcome = classify(exc, progress=progress.reached, sender=email.sender)
+            if isinstance(outcome, Disabled) and outcome.pause and outcome.scope == ACCOUNT:
+                scope = pause_scope(
+                    outcome.code, outcome.message, email.configuration_set, sender=email.sender
+                )
                 outcome = dataclasses.replace(outcome, scope=scope)
             return outcome
         message_id = response.get("MessageId")

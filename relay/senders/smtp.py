@@ -41,6 +41,7 @@ from email.utils import formatdate, parseaddr
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from outbox.exceptions import ConfigurationError, InvalidEmail
+from relay.pause import Scope, ScopeKind, identity, resource_scope, unverified_scope
 from relay.senders import (
     Accepted,
     Ambiguous,
@@ -76,16 +77,29 @@ _MAX_MESSAGE_CHARS = 1000
 _MAX_PROVIDER_ID_CHARS = 255
 _MAX_REFUSAL_CHARS = 300
 _CLOSING = 421  # "service not available, closing transmission channel"
+# authentication required, mechanism too weak, credentials invalid, encryption required
+_AUTHENTICATION = frozenset({530, 534, 535, 538})
+# MAIL FROM refused for the address itself (not allowed, not owned, rejected); not 552 (the
+# message's size) nor 555 (a parameter of this transaction)
+_SENDER_NOT_ALLOWED = frozenset({550, 553, 554})
 
 
 # -- classification -------------------------------------------------------------------------
 
 
-def classify(exc: BaseException, *, data_sent: bool) -> Outcome:
-    """What an exception raised while sending one message means for it. Pure.
+def classify(exc: BaseException, *, data_sent: bool, sender: str = "") -> Outcome:
+    """What an exception raised while sending one message from ``sender`` (its From) means
+    for it. Pure.
 
     ``data_sent`` tells whether the ``DATA`` command had been sent on the connection: from then
     on a lost connection or a timeout may hide a message the server already queued.
+
+    The relay's credentials and the sending identity are not the message's problem: an
+    authentication reply (530, 534, 535, 538) pauses the relay whatever command it answered,
+    and a refusal that names the From identity pauses that identity (SES's SMTP interface:
+    "554 Message rejected: Email address is not verified. The following identities failed
+    the check in region ...: <the From>", "554 Access denied: ... on resource
+    `...:identity/<it>'"; any server: a 550, 553 or 554 to ``MAIL FROM``).
     """
     text = _describe(exc)
     if isinstance(exc, InvalidEmail):  # refused while rendering, before any connection
@@ -109,9 +123,21 @@ def classify(exc: BaseException, *, data_sent: bool) -> Outcome:
         code = exc.smtp_code
         if _is_temporary(code):
             return _temporary(code, text)
+        if code in _AUTHENTICATION:  # "530 5.7.0 Authentication required" to MAIL FROM
+            return Disabled(code="smtp_auth_failed", message=text, pause=True)
+        reply = _reply_text(exc.smtp_error)
+        # SMTP names no configuration set: one SES denies is the From identity's default
+        scope = unverified_scope(reply, sender) or resource_scope(
+            reply, sender=sender, configuration_set=None
+        )
+        refused_from = isinstance(exc, smtplib.SMTPSenderRefused) and code in _SENDER_NOT_ALLOWED
+        if scope is None and refused_from and sender:
+            scope = Scope(ScopeKind.IDENTITY, identity(sender))
+        if scope is not None and _is_permanent(code):
+            return Disabled(code=f"smtp_{code}", message=text, pause=True, scope=scope)
         if _is_permanent(code):
-            # MAIL FROM refused (sender not allowed, AUTH required): every message will be;
-            # 552 there is this message's size (announced with SIZE=)
+            # MAIL FROM refused for a parameter or without a From to pause: every message
+            # will be; 552 there is this message's size (announced with SIZE=)
             setup = isinstance(exc, smtplib.SMTPSenderRefused) and code != 552
             return Permanent(code=f"smtp_{code}", message=text, config_error=setup)
         # not an error reply at all (garbled, or an unexpected 2xx/3xx)
@@ -482,7 +508,7 @@ class SmtpSender(BaseSender):
             refused = conn.transact(mime, from_addr, to_addrs)
         except Exception as exc:  # classified, never raised: see classify()
             data_sent = conn is not None and conn.data_sent
-            outcome = self._scrubbed(classify(exc, data_sent=data_sent))
+            outcome = self._scrubbed(classify(exc, data_sent=data_sent, sender=email.sender))
             if conn is not None and not _reusable_after(exc):
                 self._discard(conn)
             return outcome

@@ -421,7 +421,8 @@ def test_connections_of_finished_threads_are_closed(server, make_sender):
 @pytest.mark.parametrize(
     ("where", "reply", "expected"),
     [
-        ("mail", "553 5.7.1 sender not allowed", Permanent(code="smtp_553", config_error=True)),
+        # the sender's identity is refused: every message from it would fail the same way
+        ("mail", "553 5.7.1 sender not allowed", Disabled(code="smtp_553", pause=True)),
         ("mail", "451 4.3.0 try later", Transient(code="smtp_451")),
         ("mail", "421 4.7.0 too many connections", Transient(code="smtp_421", throttled=True)),
         ("rcpt", "550 5.1.1 no such user", Permanent(code="smtp_550")),
@@ -665,7 +666,7 @@ def test_starttls_with_required_auth(start_server, make_sender, tls):
     assert len({got.peer for got in server.handler.received}) == 1
 
 
-def test_no_credentials_for_a_server_requiring_auth_is_a_permanent_config_error(
+def test_no_credentials_for_a_server_requiring_auth_pauses_instead_of_failing_mail(
     start_server, make_sender, tls
 ):
     server = start_server(
@@ -676,9 +677,14 @@ def test_no_credentials_for_a_server_requiring_auth_is_a_permanent_config_error(
     )
     sender = make_sender(server.port, security="starttls", ssl_context=tls.client)
     outcome = sender.send(outgoing(1))
-    assert isinstance(outcome, Permanent)
-    assert outcome.code == "smtp_530"  # refused at MAIL FROM: every message fails the same way
-    assert outcome.config_error
+    # refused at MAIL FROM for the relay's credentials, not the message: the relay pauses
+    assert isinstance(outcome, Disabled)
+    assert (outcome.code, outcome.pause, outcome.scope.kind.value) == (
+        "smtp_auth_failed",
+        True,
+        "account",
+    )
+    assert "530" in outcome.message
     assert server.handler.received == []
 
 

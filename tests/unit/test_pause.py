@@ -141,3 +141,35 @@ def test_scope_names_read_well_in_logs():
     assert str(ACCOUNT) == "account"
     assert str(MARKETING) == "configuration_set:marketing"
     assert str(PROMO) == "identity:promo@example.com"
+
+
+TRACKED_VIA_PROMO = Scope(ScopeKind.CONFIGURATION_SET, "tracked", via="promo@example.com")
+
+
+def promo_message(configuration_set: str = "") -> tuple[Scope, ...]:
+    return (
+        ACCOUNT,
+        Scope(ScopeKind.CONFIGURATION_SET, configuration_set),
+        PROMO,
+        Scope(ScopeKind.IDENTITY, "example.com"),
+    )
+
+
+def test_a_default_set_reached_through_an_identity_holds_only_that_identitys_mail(pauses, clock):
+    """SES denied ``tracked``, the default set of promo@'s identity: promo@'s messages that
+    name no set are held; another sender's, and promo@'s naming a set of their own, go on."""
+    pauses.pause(TRACKED_VIA_PROMO, "AccessDenied")
+    assert pauses.admit(promo_message()) == (Admission.HOLD, TRACKED_VIA_PROMO)
+    assert pauses.admit(ordinary_message()) == (Admission.SEND, None)
+    assert pauses.admit(promo_message("marketing")) == (Admission.SEND, None)
+    assert pauses.remaining(promo_message()) == pytest.approx(60.0)
+    assert pauses.remaining(ordinary_message()) == 0.0
+    clock.now += 60
+    assert pauses.admit(promo_message()) == (Admission.PROBE, TRACKED_VIA_PROMO)
+    assert pauses.probe_ended(TRACKED_VIA_PROMO, paused=False) is True
+    assert pauses.admit(promo_message()) == (Admission.SEND, None)
+
+
+def test_a_default_set_scope_is_named_by_its_set_and_identity():
+    assert str(TRACKED_VIA_PROMO) == "configuration_set:tracked via identity:promo@example.com"
+    assert Scope(ScopeKind.CONFIGURATION_SET, "tracked") != TRACKED_VIA_PROMO

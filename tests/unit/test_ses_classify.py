@@ -11,8 +11,9 @@ import pytest
 import urllib3.exceptions
 
 from outbox import Attachment, Email
+from relay.pause import Scope, ScopeKind
 from relay.senders import Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
-from relay.senders.ses import Progress, build_request, classify
+from relay.senders.ses import Progress, build_request, classify, pause_scope
 
 PREPARING, SIGNING, SENT = Progress.PREPARING, Progress.SIGNING, Progress.SENT
 URL = "https://email.us-east-1.amazonaws.com/v2/email/outbound-emails"
@@ -381,3 +382,109 @@ def test_request_for_a_template():
     assert req["Content"] == {
         "Template": {"TemplateName": "welcome", "TemplateData": '{"name": "Ada"}'}
     }
+
+
+# -- a refusal that names identities (issue 27, item 2) ------------------------------------
+
+NOT_VERIFIED = "Email address is not verified. The following identities failed the check in region"
+SHOP = Scope(ScopeKind.IDENTITY, "shop@example.com")
+
+
+@pytest.mark.parametrize(
+    ("sender", "text", "scope"),
+    [
+        pytest.param(
+            "shop@example.com", f"{NOT_VERIFIED} US-EAST-1: shop@example.com", SHOP, id="sender"
+        ),
+        pytest.param(
+            "Shop <Shop@Example.COM>",
+            f"{NOT_VERIFIED} US-EAST-1: shop@example.com",
+            SHOP,
+            id="display-name-and-case-in-the-from",
+        ),
+        pytest.param(
+            "shop@example.com",
+            f'{NOT_VERIFIED} EU-WEST-1: "Shop, Ltd" <SHOP@example.com>',
+            SHOP,
+            id="display-name-in-the-answer-wrong-region",
+        ),
+        pytest.param(
+            "Shop <shop@example.com>",
+            f"{NOT_VERIFIED} US-EAST-1: c1@example.org, Shop <shop@example.com>, c2@example.net",
+            SHOP,
+            id="several-with-the-sender",
+        ),
+        pytest.param(
+            "shop@example.com",
+            f"{NOT_VERIFIED} US-EAST-1: example.com",
+            Scope(ScopeKind.IDENTITY, "example.com"),
+            id="its-domain",
+        ),
+        pytest.param(
+            "shop@example.com", f"{NOT_VERIFIED} US-EAST-1: c1@example.org", None, id="a-recipient"
+        ),
+        pytest.param(
+            "shop@example.com",
+            f"{NOT_VERIFIED} US-EAST-1: c1@example.org, c2@example.net.",
+            None,
+            id="recipients-only",
+        ),
+        pytest.param(
+            "shop@example.com",
+            f"{NOT_VERIFIED} US-EAST-1: workshop@example.com, shop@example.com.au",
+            None,
+            id="look-alikes-are-recipients",
+        ),
+        pytest.param("shop@example.com", "Email address is not verified.", None, id="none-named"),
+        pytest.param("", f"{NOT_VERIFIED} US-EAST-1: shop@example.com", None, id="no-sender-known"),
+    ],
+)
+def test_a_refusal_naming_the_sender_pauses_its_identity_one_naming_recipients_fails(
+    sender, text, scope
+):
+    """The From identity unverified in the region sent to (or AWS_REGION wrong) refuses every
+    message from it alike: its scope pauses, no attempt used. Recipients named (the SES
+    sandbox) are this message's own problem: it fails, as before."""
+    outcome = classify(client_error("MessageRejected", 400, text), progress=SENT, sender=sender)
+    if scope is None:
+        assert outcome == Permanent(code="MessageRejected", message=text)
+    else:
+        assert outcome == Disabled(code="MessageRejected", message=text, pause=True, scope=scope)
+
+
+DENIED_SET = (
+    "User `arn:aws:sts::123456789012:assumed-role/relay/i-1' is not authorized to perform "
+    "`ses:SendEmail' on resource `arn:aws:ses:us-west-2:123456789012:configuration-set/{}'"
+)
+
+
+@pytest.mark.parametrize(
+    ("configuration_set", "sender", "scope"),
+    [
+        pytest.param(
+            None,
+            "Promo <Promo@Example.com>",
+            Scope(ScopeKind.CONFIGURATION_SET, "tracked", via="promo@example.com"),
+            id="an-identity-default-the-message-did-not-name",
+        ),
+        pytest.param(
+            "tracked",
+            "promo@example.com",
+            Scope(ScopeKind.CONFIGURATION_SET, "tracked"),
+            id="the-set-the-message-named",
+        ),
+    ],
+)
+def test_an_access_denial_for_a_configuration_set_pauses_that_set_by_name(
+    configuration_set, sender, scope
+):
+    """SES names the set it used (the identity's default when the message named none): the
+    pause has that name, never an empty one, and without a set of its own it holds only the
+    messages reaching that default through the same From address."""
+    text = DENIED_SET.format("tracked")
+    outcome = classify(client_error("AccessDenied", 403, text), progress=SENT, sender=sender)
+    assert outcome == Disabled(code="AccessDenied", message=text, pause=True)
+    found = pause_scope("AccessDenied", text, configuration_set, sender=sender)
+    assert found == scope
+    assert found.name == "tracked"
+    assert str(found).startswith("configuration_set:tracked")

@@ -9,6 +9,7 @@ import ssl
 import pytest
 
 from outbox.exceptions import ConfigurationError
+from relay.pause import ACCOUNT, Scope, ScopeKind
 from relay.senders import Ambiguous, Disabled, Permanent, Sender, Transient
 from relay.senders import smtp as smtp_module
 from relay.senders.smtp import SmtpSender, SmtpSettings, classify
@@ -354,3 +355,108 @@ def test_module_factory_reads_os_environ(monkeypatch):
     monkeypatch.delenv("OUTBOX_SMTP_TIMEOUT", raising=False)
     sender = smtp_module.from_env()
     assert (sender.host, sender.port, sender.security) == ("smtp.example.net", 25, "none")
+
+
+# -- the relay's credentials and the sending identity are not the message's problem ----------
+
+SES_NOT_VERIFIED = (
+    b"Message rejected: Email address is not verified. The following identities failed the "
+    b"check in region US-EAST-1: "
+)
+SHOP_SCOPE = Scope(ScopeKind.IDENTITY, "shop@example.com")
+DENIED = (
+    b"Access denied: User `arn:aws:iam::123456789012:user/relay' is not authorized to perform "
+    b"`ses:SendRawEmail' on resource `arn:aws:ses:us-west-2:123456789012:"
+)
+
+IDENTITY_CASES = [
+    pytest.param(
+        smtplib.SMTPDataError(554, SES_NOT_VERIFIED + b"Shop <shop@example.com>"),
+        True,
+        SHOP_SCOPE,
+        "smtp_554",
+        id="ses-sender-not-verified",
+    ),
+    pytest.param(
+        smtplib.SMTPDataError(554, SES_NOT_VERIFIED + b"c1@example.org, SHOP@example.com"),
+        True,
+        SHOP_SCOPE,
+        "smtp_554",
+        id="ses-several-with-the-sender",
+    ),
+    pytest.param(
+        smtplib.SMTPDataError(554, DENIED + b"identity/shop@example.com'"),
+        True,
+        SHOP_SCOPE,
+        "smtp_554",
+        id="ses-identity-denied",
+    ),
+    pytest.param(
+        smtplib.SMTPDataError(554, DENIED + b"configuration-set/tracked'"),
+        True,
+        Scope(ScopeKind.CONFIGURATION_SET, "tracked", via="shop@example.com"),
+        "smtp_554",
+        id="ses-default-set-denied",
+    ),
+    pytest.param(
+        smtplib.SMTPSenderRefused(553, b"5.7.1 sender not owned by user", A),
+        False,
+        SHOP_SCOPE,
+        "smtp_553",
+        id="mail-from-not-owned",
+    ),
+    pytest.param(
+        smtplib.SMTPSenderRefused(550, b"5.7.1 relay denied", A),
+        False,
+        SHOP_SCOPE,
+        "smtp_550",
+        id="mail-from-not-allowed",
+    ),
+    pytest.param(
+        smtplib.SMTPSenderRefused(530, b"5.7.0 Authentication required", A),
+        False,
+        ACCOUNT,
+        "smtp_auth_failed",
+        id="auth-required-at-mail-from",
+    ),
+    pytest.param(
+        smtplib.SMTPSenderRefused(535, b"Authentication Credentials Invalid", A),
+        False,
+        ACCOUNT,
+        "smtp_auth_failed",
+        id="credentials-invalid-at-mail-from",
+    ),
+    pytest.param(
+        smtplib.SMTPAuthenticationError(535, b"Authentication Credentials Invalid"),
+        False,
+        ACCOUNT,
+        "smtp_auth_failed",
+        id="credentials-invalid-at-login",
+    ),
+]
+
+
+@pytest.mark.parametrize(("exc", "data_sent", "scope", "code"), IDENTITY_CASES)
+def test_a_refusal_of_the_sender_or_the_credentials_pauses_without_an_attempt(
+    exc, data_sent, scope, code
+):
+    outcome = classify(exc, data_sent=data_sent, sender="Shop <Shop@example.com>")
+    assert isinstance(outcome, Disabled)
+    assert outcome.pause
+    assert (outcome.scope, outcome.code) == (scope, code)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        pytest.param(
+            smtplib.SMTPDataError(554, SES_NOT_VERIFIED + b"c1@example.org"), id="ses-recipient"
+        ),
+        pytest.param(smtplib.SMTPSenderRefused(552, b"size exceeds limit", A), id="size"),
+        pytest.param(smtplib.SMTPSenderRefused(555, b"5.5.4 unsupported", A), id="parameter"),
+        pytest.param(smtplib.SMTPDataError(554, b"5.7.1 spam"), id="content"),
+    ],
+)
+def test_a_refusal_of_this_message_still_fails_it(exc):
+    outcome = classify(exc, data_sent=True, sender="Shop <shop@example.com>")
+    assert isinstance(outcome, Permanent)
