@@ -1144,14 +1144,17 @@ def _prunable(cutoff: datetime, statuses: Sequence[str]) -> store.Filter:
     return store.Filter(statuses=tuple(statuses), created_before=cutoff, changed_before=cutoff)
 
 
-def _count_prunable_events(conn: sa.Connection, cutoff: datetime, statuses: Sequence[str]) -> int:
-    """count_prunable_events -- The events a prune with this cutoff would delete: those of
-    the messages it deletes, and those matched to no message received before the cutoff."""
+def _count_prunable_events(
+    conn: sa.Connection, cutoff: datetime, statuses: Sequence[str], unmatched_before: datetime
+) -> int:
+    """count_prunable_events -- The events a prune with these cutoffs would delete: those of
+    the messages it deletes, and those matched to no message received before
+    ``unmatched_before``."""
     of_old = sa.select(messages.c.id).where(*_prunable_where(cutoff, statuses))
     stmt = sa.select(sa.func.count()).where(
         sa.or_(
             events.c.message_id.in_(of_old),
-            sa.and_(events.c.message_id.is_(None), events.c.received_at < cutoff),
+            sa.and_(events.c.message_id.is_(None), events.c.received_at < unmatched_before),
         )
     )
     return int(conn.execute(stmt).scalar_one())
@@ -1194,7 +1197,10 @@ def _prune_messages(
 
 def _prune_unmatched_events(conn: sa.Connection, *, before: datetime, limit: int) -> int:
     """prune_unmatched_events -- Delete up to ``limit`` events matched to no message (another
-    deployment's, malformed, or for a row already pruned) received before ``before``."""
+    deployment's, foreign, malformed, or for a row already pruned) received before
+    ``before``. They change nothing and dedupe nothing of ours (a redelivered one is only
+    recorded again), so they need not wait for the dedup window: whoever can write to the
+    events queue must not fill the table for a month."""
     ids = list(
         conn.execute(
             sa.select(events.c.id)
@@ -1240,6 +1246,13 @@ def _log_prune(conn: sa.Connection, log_id: int | None, row: dict[str, Any]) -> 
     default="30d",
     help="Never delete messages younger than this: a pruned key can be enqueued again.",
 )
+@option(
+    "--unmatched-events-older-than",
+    type=_DURATION,
+    default="3d",
+    help="Delete events matched to no message (unmatched, foreign, malformed) received longer "
+    "ago than this, whatever --older-than and --dedup-window say.",
+)
 @click.option(
     "--batch-size",
     type=click.IntRange(1, 100_000),
@@ -1260,11 +1273,13 @@ def _log_prune(conn: sa.Connection, log_id: int | None, row: dict[str, Any]) -> 
     "--json", "as_json", is_flag=True, help="Machine-readable result (counts, cutoff, clamping)."
 )
 def prune(
-    database_url: str, older_than: timedelta, dedup_window: timedelta, batch_size: int,
+    database_url: str, older_than: timedelta, dedup_window: timedelta,
+    unmatched_events_older_than: timedelta, batch_size: int,
     include_unknown_outcome: bool, dry_run: bool, actor: str, as_json: bool,
 ) -> None:  # fmt: skip
     """Delete finished messages (sent, resolved as delivered, failed, cancelled, expired),
-    their attempts and their events, and events matched to no message, older than the cutoff.
+    their attempts and their events, older than the cutoff; and events matched to no message
+    older than --unmatched-events-older-than.
 
     Pruning a message forgets its idempotency key, so the same key could be enqueued and sent
     again: messages younger than --dedup-window are never pruned, whatever --older-than says
@@ -1286,16 +1301,21 @@ def prune(
         with engine.connect() as conn:
             now = read_database_time(conn)
             cutoff = now - max(older_than, dedup_window)
+            unmatched_cutoff = now - unmatched_events_older_than
             matched = (
                 store.count_messages(conn, _prunable(cutoff, statuses))
                 if dry_run or _show_progress()
                 else None
             )
-            matched_events = _count_prunable_events(conn, cutoff, statuses) if dry_run else 0
+            matched_events = (
+                _count_prunable_events(conn, cutoff, statuses, unmatched_cutoff) if dry_run else 0
+            )
         facts = {
             "cutoff": cutoff,
             "older_than_seconds": older_than.total_seconds(),
             "dedup_window_seconds": dedup_window.total_seconds(),
+            "unmatched_events_cutoff": unmatched_cutoff,
+            "unmatched_events_older_than_seconds": unmatched_events_older_than.total_seconds(),
             "include_unknown_outcome": include_unknown_outcome,
         }
         interrupted: _Interrupted | None = None
@@ -1304,7 +1324,8 @@ def prune(
             if not dry_run:
                 _prune_batches(
                     engine, pruned, cutoff, batch_size, matched or 0,
-                    statuses=statuses, log=_action(now, actor, OperatorAction.PRUNE), facts=facts,
+                    statuses=statuses, unmatched_before=unmatched_cutoff,
+                    log=_action(now, actor, OperatorAction.PRUNE), facts=facts,
                 )  # fmt: skip
         except _Interrupted as stopped:  # --json still says how many went, then the line
             interrupted = stopped
@@ -1359,11 +1380,13 @@ def _prune_batches(
     expected: int,
     *,
     statuses: Sequence[str],
+    unmatched_before: datetime,
     log: dict[str, Any],
     facts: dict[str, Any],
 ) -> None:
     """Delete messages batch by batch until a batch comes back short, then the unmatched
-    events; each batch commits on its own with the prune's log row brought up to date.
+    events received before ``unmatched_before``; each batch commits on its own with the
+    prune's log row brought up to date.
     Stopped part way, it says how many were deleted (running it again goes on)."""
     log_id: int | None = None
     messages_done = False
@@ -1378,7 +1401,9 @@ def _prune_batches(
                     else:
                         count, gone = (
                             0,
-                            _prune_unmatched_events(conn, before=cutoff, limit=batch_size),
+                            _prune_unmatched_events(
+                                conn, before=unmatched_before, limit=batch_size
+                            ),
                         )
                     detail = _detail(
                         **facts,

@@ -34,7 +34,7 @@ from relay.cli_options import (
 from relay.config import EVENTS_WAIT_RANGE, IntakeConfig, RelayConfig
 from relay.db import READ_TIMEOUT
 from relay.http import Server, start_http_server
-from relay.intake import Intake
+from relay.intake import Intake, check_topic_arn
 from relay.metrics import IntakeMetrics, RelayMetrics
 from relay.senders import Sender, as_sender
 from relay.senders.console import ConsoleSender
@@ -321,6 +321,14 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
     default=20,
     help="Seconds each SQS receive waits for events (long poll), with --events-queue-url.",
 )
+@option(
+    "--events-topic-arn",
+    default=None,
+    show_default=False,
+    help="With --events-queue-url, apply only events from this SNS topic (EventBridge: from "
+    "its account); others are recorded as foreign and change nothing. Default: every event is "
+    "applied, whatever its topic.",
+)
 def run(**options: Any) -> None:
     """Deliver committed outbox messages until stopped (SIGTERM/SIGINT drain it).
 
@@ -333,6 +341,9 @@ def run(**options: Any) -> None:
     if options["relay_id"] is None:
         options.pop("relay_id")
     queue_url, wait_seconds = options.pop("events_queue_url"), options.pop("events_wait_seconds")
+    topic_arn = options.pop("events_topic_arn")
+    if topic_arn is not None:
+        check_topic_arn(topic_arn)  # before anything opens: one line, exit 2
     intake_config = (
         None
         if queue_url is None
@@ -356,7 +367,7 @@ def run(**options: Any) -> None:
     intake = (
         None
         if intake_config is None
-        else _open_intake(intake_config, engine, intake_id=relay.relay_id)
+        else _open_intake(intake_config, engine, intake_id=relay.relay_id, topic_arn=topic_arn)
     )
     listener = Listener.for_engine(engine, relay.wake)
     server = None
@@ -417,6 +428,7 @@ def _open_intake(
     *,
     exit_when_idle: bool = False,
     intake_id: str | None = None,
+    topic_arn: str | None = None,
 ) -> Intake:
     """The intake of ``config`` on ``engine``, its queue checked: a queue that does not exist
     or cannot be read is a :class:`ConfigurationError` naming its URL; an SQS endpoint that
@@ -439,6 +451,7 @@ def _open_intake(
         wait_seconds=config.wait_seconds,
         exit_when_idle=exit_when_idle,
         intake_id=intake_id,  # in a relay, its relay id: one name in outbox_relays and intakes
+        topic_arn=topic_arn,
     )
     try:
         intake.check_queue()
@@ -494,6 +507,14 @@ def _stop_intake(intake: Intake, thread: threading.Thread) -> None:
     default=20,
     help="Seconds each receive waits for events (SQS long poll).",
 )
+@option(
+    "--events-topic-arn",
+    default=None,
+    show_default=False,
+    help="Apply only events from this SNS topic (EventBridge: from its account); others are "
+    "recorded as foreign and change nothing. Default: every event is applied, whatever its "
+    "topic.",
+)
 @option("--exit-when-idle", is_flag=True, help="Exit 0 once a receive finds the queue empty.")
 @option(
     "--log-level",
@@ -522,12 +543,19 @@ def events(**options: Any) -> None:
     dead-letter queue.
     """
     logs.configure(options["log_level"], options["log_format"], False)
+    if options["events_topic_arn"] is not None:
+        check_topic_arn(options["events_topic_arn"])
     config = IntakeConfig(
         queue_url=options["events_queue_url"], wait_seconds=options["wait_seconds"]
     )
     engine = open_database(options["database_url"], read_timeout=READ_TIMEOUT)
     try:
-        intake = _open_intake(config, engine, exit_when_idle=options["exit_when_idle"])
+        intake = _open_intake(
+            config,
+            engine,
+            exit_when_idle=options["exit_when_idle"],
+            topic_arn=options["events_topic_arn"],
+        )
         server = None
         if options["http_port"] is not None:
             # the HTTP app reads a relay's loop_at, waiting_at, state, paused and engine,

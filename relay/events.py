@@ -14,7 +14,9 @@ one of three envelopes, all accepted:
 intake decides what an event does to a row, this module only says what the event is. A queue
 is open to whoever may send to it, so every body is treated as hostile: anything that is not an
 SES event comes back as :attr:`EventType.MALFORMED` with a short reason (never the body's
-text), and a field of the wrong type is ignored rather than trusted. The key of an event is the
+text), and a field of the wrong type is ignored rather than trusted. Where an event says it came
+from (:attr:`SesEvent.origin`: the SNS topic, the EventBridge account) is only read here; the
+intake decides whether that is ours (``--events-topic-arn``). The key of an event is the
 digest of the SES event object itself, not of its envelope: SQS delivers at least once and an
 event re-published through another envelope is still the same event, recorded once.
 """
@@ -43,6 +45,8 @@ _ADDRESS_CHARS = 320  # outbox_suppressions.address
 _TAG_CHARS = 64  # outbox_events.tagged_message_id
 _CLAIM_TOKEN_CHARS = 36  # outbox_events.claim_token (a UUID)
 _TIMESTAMP_CHARS = 64
+_ORIGIN_CHARS = 320  # an SNS topic ARN: arn:<partition>:sns:<region>:<account>:<name of 256>
+_ACCOUNT = re.compile(r"[0-9]{12}")
 _TAG_VALUE = re.compile(r"[A-Za-z0-9_-]+")
 # A bare addr-spec, as SES writes recipients: read without parseaddr, which costs more than
 # the rest of an event together
@@ -123,6 +127,9 @@ class SesEvent:
     suppress: tuple[str, ...]  # the addresses never to mail again (permanent bounce, complaint)
     delivery_status: DeliveryStatus | None  # what the event means for the row; None: nothing
     error: str | None  # MALFORMED only: why, in a few words (never the body's text)
+    # where it says it came from: the SNS envelope's TopicArn, the EventBridge event's account
+    # (12 digits); None in a raw body, or when the value is not one
+    origin: str | None = None
 
 
 def parse(body: str) -> SesEvent:
@@ -164,29 +171,35 @@ def _parse(body: str) -> SesEvent:
         return _from_sns(body, outer)
     if "detail-type" in outer or ("source" in outer and "detail" in outer):
         return _from_eventbridge(body, outer)
-    return _from_event(body, outer, "raw", None)
+    return _from_event(body, outer, "raw", None, None)
 
 
 def _from_sns(body: str, envelope: dict[str, Any]) -> SesEvent:
     kind = envelope.get("Type")
+    topic = envelope.get("TopicArn")
+    origin = (
+        topic
+        if isinstance(topic, str) and 0 < len(topic) <= _ORIGIN_CHARS and topic.isprintable()
+        else None
+    )
     if kind in _SNS_CONFIRMATIONS:
         # Not an event: SNS telling a subscriber about its subscription (a queue subscribed
         # with raw delivery off still receives them). Recorded, changes nothing.
-        return _other(_digest_of(envelope), "sns", str(kind))
+        return _other(_digest_of(envelope), "sns", str(kind), origin)
     if kind != "Notification":
         return _malformed(body, "sns", "unknown SNS message type")
     message = envelope.get("Message")
     if not isinstance(message, str):
         return _malformed(body, "sns", "SNS Message is not text")
     if message.strip() == _SES_TOPIC_VALIDATION:
-        return _other(_digest_of(envelope), "sns", _SES_TOPIC_VALIDATION)
+        return _other(_digest_of(envelope), "sns", _SES_TOPIC_VALIDATION, origin)
     try:
         event = json.loads(message)
     except ValueError:
         return _malformed(body, "sns", "SNS Message is not JSON")
     if not isinstance(event, dict):
         return _malformed(body, "sns", "SNS Message is not a JSON object")
-    return _from_event(body, event, "sns", None)
+    return _from_event(body, event, "sns", None, origin)
 
 
 def _from_eventbridge(body: str, envelope: dict[str, Any]) -> SesEvent:
@@ -197,17 +210,19 @@ def _from_eventbridge(body: str, envelope: dict[str, Any]) -> SesEvent:
         return _malformed(body, "eventbridge", "EventBridge detail is not a JSON object")
     detail_type = envelope.get("detail-type")
     fallback = _DETAIL_TYPES.get(detail_type) if isinstance(detail_type, str) else None
-    return _from_event(body, detail, "eventbridge", fallback)
+    account = envelope.get("account")
+    origin = account if isinstance(account, str) and _ACCOUNT.fullmatch(account) else None
+    return _from_event(body, detail, "eventbridge", fallback, origin)
 
 
 def _from_event(
-    body: str, event: dict[str, Any], source: str, fallback_kind: str | None
+    body: str, event: dict[str, Any], source: str, fallback_kind: str | None, origin: str | None
 ) -> SesEvent:
     kind = event.get("eventType", event.get("notificationType", fallback_kind))
     if not isinstance(kind, str) or not kind:
         return _malformed(body, source, "no eventType or notificationType")
     if kind == _SES_SUBSCRIPTION_SUCCEEDED:
-        return _other(_digest_of(event), source, kind)
+        return _other(_digest_of(event), source, kind, origin)
     mail = event.get("mail")
     if not isinstance(mail, dict):
         return _malformed(body, source, "no mail object")
@@ -287,6 +302,7 @@ def _from_event(
         suppress=suppress,
         delivery_status=status,
         error=None,
+        origin=origin,
     )
 
 
@@ -308,7 +324,7 @@ def _malformed(body: str, source: str, error: str) -> SesEvent:
     )
 
 
-def _other(key: str, source: str, detail: str) -> SesEvent:
+def _other(key: str, source: str, detail: str, origin: str | None) -> SesEvent:
     return SesEvent(
         key=key,
         source=source,
@@ -323,6 +339,7 @@ def _other(key: str, source: str, detail: str) -> SesEvent:
         suppress=(),
         delivery_status=None,
         error=None,
+        origin=origin,
     )
 
 

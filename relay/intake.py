@@ -27,8 +27,17 @@ What one event does (:func:`apply_events`), in the transaction that records it:
 
 A malformed queue message is recorded (under the digest of its body) and left on the queue,
 so SQS's redrive policy moves it to the dead-letter queue after ``maxReceiveCount`` tries; an
-unmatched event is recorded and deleted. Times: ``received_at`` is the database's clock (the
-caller passes it in), ``event_at`` and ``mail_at`` are SES's.
+unmatched event is recorded and deleted.
+
+Whoever can send to the queue can make it store text, so what is stored is bounded
+(:func:`insert_event`): an event matched to no row keeps a few hundred characters of its
+recipients, a matched one what any backend's TEXT column holds; nothing is left on the queue
+for being too long. With a topic configured (``--events-topic-arn``, :func:`check_topic_arn`),
+an event from anywhere else is :attr:`Effect.FOREIGN`: recorded, bounded, deleted, and applied
+to no row (:func:`foreign_origin` says what "from the topic" means for each envelope).
+
+Times: ``received_at`` is the database's clock (the caller passes it in), ``event_at`` and
+``mail_at`` are SES's.
 
 :class:`Intake` is the loop around it: receive (long poll) -> parse -> apply -> commit ->
 delete what committed. A database error deletes nothing (the messages come back after their
@@ -39,9 +48,11 @@ from __future__ import annotations
 
 import collections
 import enum
+import hashlib
 import logging
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -87,9 +98,11 @@ __all__ = [
     "apply_deferred",
     "apply_events",
     "build_client",
+    "check_topic_arn",
     "default_intake_id",
     "find_by_provider_id",
     "find_by_tags",
+    "foreign_origin",
     "insert_event",
     "raise_delivery_status",
     "recipients_of",
@@ -106,6 +119,13 @@ ACTOR = "ses-events"  # who the intake's suppressions and attempts name
 MAX_MESSAGES = 10  # per ReceiveMessage: SQS's most
 _MAX_ID = 2**63 - 1  # a tagged row id beyond this cannot be ours (and would overflow BIGINT)
 _MYSQL_DUPLICATE_KEY = 1062
+# stored text of an event matched to no row (unmatched, foreign, malformed): enough for an
+# operator to see what it was, and a forged one costs no more than that
+_UNMATCHED_CHARS = 300
+# any event's recipients: MySQL/MariaDB's TEXT holds 65,535 bytes, utf8mb4 takes up to 4 a
+# character (50 recipients of 320 characters fit)
+_TEXT_CHARS = 16_000
+_TOPIC_ARN = re.compile(r"arn:[a-z0-9-]+:sns:[a-z0-9-]+:[0-9]{12}:[A-Za-z0-9_.-]{1,256}")
 
 
 class Effect(enum.StrEnum):
@@ -117,6 +137,7 @@ class Effect(enum.StrEnum):
     DEFERRED = "deferred"  # the row was being sent: applied once its relay saved the send
     DUPLICATE_SEND = "duplicate_send"  # the row is sent under another SES message id
     UNMATCHED = "unmatched"  # no row of ours (another app's, a pruned row, a forged tag)
+    FOREIGN = "foreign"  # not from the configured topic: applied to no row
     MALFORMED = "malformed"  # not an SES event: left on the queue for its dead-letter queue
     DUPLICATE = "duplicate"  # its key was recorded already: no effect (not stored)
     REFUSED = "refused"  # the database refused its row: left on the queue (not stored)
@@ -184,6 +205,69 @@ def _fit(value: str | None, column: sa.Column[Any]) -> str | None:
     if value is None or length is None:
         return value
     return value[:length]
+
+
+def _cut(text: str | None, limit: int) -> str | None:
+    """``text`` in at most ``limit`` characters; a cut one ends saying how long it was."""
+    if text is None or len(text) <= limit:
+        return text
+    marker = f" [cut from {len(text)} characters]"
+    return text[: limit - len(marker)] + marker
+
+
+def _joined(addresses: Sequence[str], limit: int) -> str | None:
+    """``addresses`` as ``outbox_events.recipients`` holds them (``a@x, b@y``), in at most
+    ``limit`` characters: whole addresses, then a last entry (no ``@`` in it) saying how many
+    there were."""
+    text = ", ".join(addresses)
+    if len(text) <= limit:
+        return text or None
+    marker = f"[{len(addresses)} addresses, cut]"
+    kept: list[str] = []
+    size = len(marker)
+    for address in addresses:
+        size += len(address) + 2
+        if size > limit:
+            break
+        kept.append(address)
+    return ", ".join([*kept, marker])
+
+
+def check_topic_arn(value: str) -> str:
+    """``value`` if it is an SNS topic's ARN (``arn:aws:sns:<region>:<account>:<name>``);
+    else a :class:`ConfigurationError` naming ``--events-topic-arn``."""
+    if _TOPIC_ARN.fullmatch(value) is None:
+        raise ConfigurationError(
+            "--events-topic-arn",
+            f"{value!r} is not an SNS topic ARN (arn:aws:sns:<region>:<account id>:<name>)",
+        )
+    return value
+
+
+def foreign_origin(event: SesEvent, topic_arn: str | None) -> str | None:
+    """Why ``event`` is not from ``topic_arn``, in a few words; None if it is, or if no topic
+    is configured (then every event counts as ours, as before the option existed).
+
+    An SNS notification is ours when its ``TopicArn`` is the topic. An EventBridge event has
+    no topic: it is ours when its ``account`` is the topic's account (the account whose SES
+    published it; a rule on another account's bus forwarding to our queue is foreign). A raw
+    body (SNS raw message delivery) names no origin at all: foreign, so a deployment with
+    raw delivery leaves the option unset. A malformed body is never foreign (it goes to the
+    dead-letter queue as before). Envelopes are not signed here: this keeps other topics'
+    and accounts' events out, not a forger who may write to the queue (its queue policy
+    does that; :func:`insert_event` bounds what a forged event costs)."""
+    if topic_arn is None or event.type is EventType.MALFORMED:
+        return None
+    if event.source == "sns":
+        if event.origin == topic_arn:
+            return None
+        return f"from SNS topic {event.origin or '(none)'}, not {topic_arn}"
+    if event.source == "eventbridge":
+        account = topic_arn.split(":")[4]
+        if event.origin == account:
+            return None
+        return f"from EventBridge account {event.origin or '(none)'}, not {account}"
+    return "no SNS envelope (raw delivery): its topic is unknown"
 
 
 def _as_row(row: Any) -> _Row | None:
@@ -311,16 +395,24 @@ def insert_event(
     message_id: int | None,
     effect: Effect,
     intake_id: str | None = None,
+    key: str | None = None,
+    error: str | None = None,
 ) -> int | None:
-    """insert_event -- Record ``event`` unless its key is recorded; its id, or None for a
-    duplicate. On the servers the insert waits for a concurrent uncommitted insert of the
-    same key, then finds it: of two replicas applying one event, one records it.
-    ``intake_id`` names the replica that took it from its queue: the reconcile sweep asks
-    that replica's queue, and only that one, whether it was drained after it (an event
-    recorded without one proves nothing there)."""
+    """insert_event -- Record ``event`` unless its key (``key``, by default the event's) is
+    recorded; its id, or None for a duplicate. On the servers the insert waits for a
+    concurrent uncommitted insert of the same key, then finds it: of two replicas applying
+    one event, one records it. ``intake_id`` names the replica that took it from its queue:
+    the reconcile sweep asks that replica's queue, and only that one, whether it was drained
+    after it (an event recorded without one proves nothing there).
+
+    Every text fits its column on every backend, so no event is refused for its length: an
+    event matched to no row keeps a few hundred characters of its recipients and error
+    (a whole address at a time, then how many there were), a matched one what a MySQL TEXT
+    holds."""
     e = events.c
+    limit = _UNMATCHED_CHARS if message_id is None else _TEXT_CHARS
     values = {
-        "event_key": event.key,
+        "event_key": key or event.key,
         "received_at": now,
         "event_type": event.type.value,
         "event_at": event.event_at,
@@ -330,14 +422,14 @@ def insert_event(
         "tagged_message_id": _fit(event.tagged_message_id, e.tagged_message_id),
         "claim_token": _fit(event.claim_token, e.claim_token),
         "detail": _fit(event.detail, e.detail),
-        "recipients": ", ".join(event.recipients) or None,
+        "recipients": _joined(event.recipients, limit),
         "effect": effect.value,
-        "error": event.error,
+        "error": _cut(error or event.error, _UNMATCHED_CHARS),
         "source": _fit(event.source, e.source),
         "intake_id": _fit(intake_id, e.intake_id),
     }
-    key = _insert_unless_present(conn, events, values)
-    return None if key is None else int(key[0])
+    inserted = _insert_unless_present(conn, events, values)
+    return None if inserted is None else int(inserted[0])
 
 
 def set_event_effect(conn: sa.Connection, *, event_id: int, effect: Effect) -> None:
@@ -519,8 +611,31 @@ _SUPPRESSION_REASONS = {
 
 
 def _apply_one(
-    conn: sa.Connection, event: SesEvent, now: datetime, actor: str, intake_id: str | None
+    conn: sa.Connection,
+    event: SesEvent,
+    now: datetime,
+    actor: str,
+    intake_id: str | None,
+    topic_arn: str | None,
 ) -> Applied:
+    foreign = foreign_origin(event, topic_arn)
+    if foreign is not None:
+        # under a key of its own: a copy of one of our events that came another way must
+        # not make ours a duplicate when it arrives
+        key = hashlib.sha256(f"foreign:{event.origin}:{event.key}".encode()).hexdigest()
+        event_id = insert_event(
+            conn,
+            event,
+            now=now,
+            message_id=None,
+            effect=Effect.FOREIGN,
+            intake_id=intake_id,
+            key=key,
+            error=foreign,
+        )
+        if event_id is None:
+            return Applied(event=event, effect=Effect.DUPLICATE)
+        return Applied(event=event, effect=Effect.FOREIGN, event_id=event_id)
     row = _match(conn, event)
     if event.type is EventType.MALFORMED:
         first = Effect.MALFORMED
@@ -586,10 +701,12 @@ def apply_events(
     now: datetime,
     actor: str = ACTOR,
     intake_id: str | None = None,
+    topic_arn: str | None = None,
 ) -> list[Applied]:
     """Apply ``batch`` in the caller's transaction (which it then commits); one
     :class:`Applied` per event, in the batch's order. ``now`` is the database's clock;
-    ``intake_id`` the replica that took the batch from its queue (:func:`insert_event`).
+    ``intake_id`` the replica that took the batch from its queue (:func:`insert_event`);
+    with ``topic_arn``, events from elsewhere are only recorded (:func:`foreign_origin`).
 
     Events are applied in key order, so two replicas holding overlapping batches take the
     keys' locks in the same order and wait for each other instead of deadlocking. On
@@ -602,11 +719,11 @@ def apply_events(
     isolate = conn.dialect.name != "sqlite"  # pysqlite's SAVEPOINT needs the engine's fix
     for index, event in sorted(enumerate(batch), key=lambda item: item[1].key):
         if not isolate:
-            results[index] = _apply_one(conn, event, now, actor, intake_id)
+            results[index] = _apply_one(conn, event, now, actor, intake_id, topic_arn)
             continue
         try:
             with conn.begin_nested():
-                applied = _apply_one(conn, event, now, actor, intake_id)
+                applied = _apply_one(conn, event, now, actor, intake_id, topic_arn)
         except sa.exc.DBAPIError as exc:
             if _is_outage(exc):
                 raise
@@ -680,7 +797,7 @@ def _recorded_event(found: Any) -> SesEvent | None:
         tagged_message_id=found.tagged_message_id,
         claim_token=found.claim_token,
         detail=found.detail,
-        recipients=tuple(a for a in (found.recipients or "").split(", ") if a),
+        recipients=tuple(a for a in (found.recipients or "").split(", ") if "@" in a),
         suppress=(),
         delivery_status=_status_of(kind, found.detail),
         error=None,
@@ -782,6 +899,13 @@ def _log_applied(applied: Applied) -> None:
         _log.info("an event proved SES took the send: sent", extra=extra)
     elif applied.effect is Effect.UNMATCHED:
         _log.info("no message of ours: recorded", extra=extra)
+    elif applied.effect is Effect.FOREIGN:
+        _log.warning(
+            "not from the configured topic (%s %s): recorded, applied to no message",
+            event.source,
+            event.origin or "without an origin",
+            extra={**extra, "origin": event.origin},
+        )
     elif applied.effect is Effect.DEFERRED:
         _log.info(
             "the message is being sent: event deferred until its relay saved the send",
@@ -994,7 +1118,9 @@ class Intake:
     poll found the queue empty (see :meth:`step`); nothing is written before the queue's
     visibility timeout is known (:meth:`check_queue`). Counters for the metrics:
     :attr:`counts` (``(type, effect)``: events, a deferred one counted again with the effect
-    it had once applied), :attr:`errors` (``sqs``, ``database``)."""
+    it had once applied), :attr:`errors` (``sqs``, ``database``). With ``topic_arn``, only
+    that SNS topic's events (or its account's, through EventBridge) are applied
+    (:func:`foreign_origin`); without, every event is."""
 
     def __init__(
         self,
@@ -1007,8 +1133,10 @@ class Intake:
         actor: str = ACTOR,
         rng: random.Random | None = None,
         intake_id: str | None = None,
+        topic_arn: str | None = None,
     ) -> None:
         self.engine = engine
+        self.topic_arn = None if topic_arn is None else check_topic_arn(topic_arn)
         self.intake_id = intake_id if intake_id is not None else default_intake_id()
         self.client = client
         self.queue_url = queue_url
@@ -1198,7 +1326,12 @@ class Intake:
                 read_at = time.monotonic()
                 now = read_database_time(conn)
                 applied = apply_events(
-                    conn, parsed, now=now, actor=self.actor, intake_id=self.intake_id
+                    conn,
+                    parsed,
+                    now=now,
+                    actor=self.actor,
+                    intake_id=self.intake_id,
+                    topic_arn=self.topic_arn,
                 )
                 self._record(conn, now, caught_up=False)
         except BaseException:

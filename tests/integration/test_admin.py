@@ -384,3 +384,42 @@ def test_prune_takes_events_with_their_messages_and_keeps_unknown_outcomes_unles
     assert (second["deleted"], second["include_unknown_outcome"]) == (1, True)
     assert log[1].actor == "cron"
     assert datetime.fromisoformat(first["cutoff"]) < datetime.now(UTC) - timedelta(days=29)
+
+
+def test_prune_takes_unmatched_and_foreign_events_after_their_own_short_horizon(backend, backlog):
+    """Events matched to no message change nothing and dedupe nothing of ours: a prune takes
+    them after --unmatched-events-older-than (3 days), not the 30-day dedup window; a matched
+    event stays as long as its message does."""
+    engine, now = backend.engine, datetime.now(UTC)
+    add_event(
+        engine, message_id=backlog[6], event_type="delivery", received_at=now - timedelta(days=10)
+    )
+    add_event(engine, message_id=None, event_type="bounce", received_at=now - timedelta(days=4))
+    add_event(engine, message_id=None, event_type="send", received_at=now - timedelta(days=1))
+    with engine.begin() as conn:
+        conn.execute(
+            events.insert().values(
+                event_key="foreign-1",
+                received_at=now - timedelta(days=5),
+                event_type="send",
+                effect="foreign",
+                error="from SNS topic arn:aws:sns:us-west-2:210987654321:TheirTopic",
+                source="sns",
+            )
+        )
+
+    dry = json.loads(cli(backend, "prune", "--older-than", "30d", "--dry-run", "--json").output)
+    assert (dry["would_delete"], dry["would_delete_events"]) == (0, 2)
+    assert dry["unmatched_events_older_than_seconds"] == 3 * 86400
+    report = json.loads(cli(backend, "prune", "--older-than", "30d", "--json").output)
+    assert (report["deleted"], report["deleted_events"]) == (0, 2)
+
+    def kept() -> list[tuple[int | None, str]]:
+        with engine.connect() as conn:
+            stmt = sa.select(events.c.message_id, events.c.effect).order_by(events.c.id)
+            return [tuple(r) for r in conn.execute(stmt)]
+
+    assert kept() == [(backlog[6], "status"), (None, "unmatched")]
+    shorter = cli(backend, "prune", "--older-than", "30d", "--unmatched-events-older-than", "12h")
+    assert "and 1 event(s)" in shorter.output
+    assert kept() == [(backlog[6], "status")]

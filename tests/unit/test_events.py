@@ -268,6 +268,20 @@ def test_aws_eventbridge_envelope_carrying_an_event():
     assert parsed.key == digest(envelope["detail"])
 
 
+def test_each_envelope_says_where_it_came_from_and_a_raw_body_does_not():
+    event = fixture("event_delivery.json")
+    envelope = fixture("sns_envelope.json")
+    assert parse(body(sns(event))).origin == envelope["TopicArn"]
+    confirmation = {**envelope, "Type": "SubscriptionConfirmation"}
+    assert parse(body(confirmation)).origin == envelope["TopicArn"]
+    assert parse(body(eventbridge(event))).origin == "123456789012"
+    assert parse(body(event)).origin is None
+    # a value that cannot be a topic's or an account's names no origin
+    assert parse(body({**sns(event), "TopicArn": ["x"]})).origin is None
+    assert parse(body({**sns(event), "TopicArn": "a" * 400})).origin is None
+    assert parse(body({**eventbridge(event), "account": "12345"})).origin is None
+
+
 def test_eventbridge_detail_without_an_event_type_takes_it_from_the_detail_type():
     envelope = fixture("eventbridge_bounce.json")
     del envelope["detail"]["eventType"]
