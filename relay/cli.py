@@ -206,6 +206,7 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
         security=options.get("smtp_security") or DEFAULT_SECURITY,
         username=options.get("smtp_username"),
         password=options.get("smtp_password"),
+        allow_cleartext_login=bool(options.get("smtp_allow_cleartext_login")),
         timeout=config.send_timeout if timeout is None else timeout,
     )
     return SmtpSender(settings)
@@ -240,6 +241,12 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
     show_default=False,
     callback=warn_secret_flag,
     help="SMTP password (better as OUTBOX_SMTP_PASSWORD: a flag shows in the process list).",
+)
+@option(
+    "--smtp-allow-cleartext-login",
+    is_flag=True,
+    default=False,
+    help="Allow the SMTP login over --smtp-security none (a server on a trusted network).",
 )
 @option(
     "--smtp-timeout",

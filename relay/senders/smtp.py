@@ -355,6 +355,7 @@ class SmtpSettings:
     timeout: float = 20.0
     local_hostname: str | None = None
     ssl_context: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
+    allow_cleartext_login: bool = False  # a login over security "none": only if asked for
 
     def __post_init__(self) -> None:
         host = self.host
@@ -383,6 +384,12 @@ class SmtpSettings:
             raise ConfigurationError("--smtp-password", "is required with --smtp-username")
         if password is not None and username is None:
             raise ConfigurationError("--smtp-username", "is required with --smtp-password")
+        if username is not None and self.security == "none" and not self.allow_cleartext_login:
+            raise ConfigurationError(
+                "--smtp-security",
+                "is none, so the login would cross the network in clear text: use starttls or "
+                "ssl, or pass --smtp-allow-cleartext-login for a server on a trusted network",
+            )
         timeout = self.timeout
         if (
             isinstance(timeout, bool)
@@ -426,6 +433,8 @@ class SmtpSettings:
             "host": get("HOST") or "",
             "username": get("USERNAME"),
             "password": env.get("OUTBOX_SMTP_PASSWORD") or None,
+            "allow_cleartext_login": (get("ALLOW_CLEARTEXT_LOGIN") or "").lower()
+            in ("1", "true", "yes", "on"),
         }
         if (security := get("SECURITY")) is not None:
             values["security"] = security.lower()

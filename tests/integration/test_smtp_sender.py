@@ -175,6 +175,8 @@ def make_sender():
     def make(port: int, **kw) -> SmtpSender:
         kw.setdefault("security", "none")
         kw.setdefault("timeout", 5.0)
+        if kw.get("username") and kw["security"] == "none":  # the test server is on loopback
+            kw.setdefault("allow_cleartext_login", True)
         sender = SmtpSender(
             SmtpSettings(host="127.0.0.1", port=port, local_hostname="relay.test", **kw)
         )

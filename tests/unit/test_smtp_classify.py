@@ -224,6 +224,8 @@ def test_messages_carry_the_reply_and_stay_short():
         ({"timeout": "20"}, "--smtp-timeout"),
         ({"timeout": True}, "--smtp-timeout"),
         ({"security": "none", "ssl_context": ssl.create_default_context()}, "--smtp-security"),
+        # a login over a cleartext connection: refused unless asked for by name
+        ({"security": "none", "username": "u", "password": "p"}, "--smtp-security"),
         ({"ssl_context": "yes"}, "ssl_context"),
         ({"local_hostname": "relay host"}, "local_hostname"),
     ],
@@ -233,6 +235,23 @@ def test_bad_settings_name_their_flag(kwargs, setting):
     with pytest.raises(ConfigurationError) as caught:
         SmtpSettings(**arguments)
     assert caught.value.setting == setting
+
+
+def test_a_cleartext_login_is_allowed_only_when_asked_for(monkeypatch):
+    settings = SmtpSettings(
+        host="mail.internal", security="none", username="u", password="p",
+        allow_cleartext_login=True,
+    )  # fmt: skip
+    assert settings.username == "u"
+    monkeypatch.setenv("OUTBOX_SMTP_HOST", "mail.internal")
+    monkeypatch.setenv("OUTBOX_SMTP_SECURITY", "none")
+    monkeypatch.setenv("OUTBOX_SMTP_USERNAME", "u")
+    monkeypatch.setenv("OUTBOX_SMTP_PASSWORD", "p")
+    with pytest.raises(ConfigurationError) as caught:
+        SmtpSettings.from_env()
+    assert caught.value.setting == "--smtp-security"
+    monkeypatch.setenv("OUTBOX_SMTP_ALLOW_CLEARTEXT_LOGIN", "true")
+    assert SmtpSettings.from_env().allow_cleartext_login is True
 
 
 def test_a_sender_takes_settings_not_a_host():
