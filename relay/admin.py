@@ -35,6 +35,7 @@ from outbox.schema import (
     AttemptOutcome,
     DeliveryStatus,
     OperatorAction,
+    RelayState,
     Status,
     SuppressionReason,
     UTCDateTime,
@@ -42,6 +43,7 @@ from outbox.schema import (
     events,
     messages,
     operator_actions,
+    relays,
     suppressions,
     utcnow,
 )
@@ -1195,6 +1197,23 @@ def _prune_messages(
     return int(result.rowcount), int(gone)
 
 
+def _prune_stopped_relays(conn: sa.Connection, *, before: datetime) -> int:
+    """prune_stopped_relays -- Delete the rows of relays that stopped cleanly before
+    ``before``: every rollout adds one per pod, and a stopped relay's id is free anyway. A
+    relay that died without stopping keeps its row (its id is taken over when reused)."""
+    stmt = sa.delete(relays).where(
+        relays.c.state == RelayState.STOPPED.value, relays.c.heartbeat_at < before
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+def _count_stopped_relays(conn: sa.Connection, *, before: datetime) -> int:
+    stmt = sa.select(sa.func.count()).where(
+        relays.c.state == RelayState.STOPPED.value, relays.c.heartbeat_at < before
+    )
+    return int(conn.execute(stmt).scalar_one())
+
+
 def _prune_unmatched_events(conn: sa.Connection, *, before: datetime, limit: int) -> int:
     """prune_unmatched_events -- Delete up to ``limit`` events matched to no message (another
     deployment's, foreign, malformed, or for a row already pruned) received before
@@ -1253,6 +1272,12 @@ def _log_prune(conn: sa.Connection, log_id: int | None, row: dict[str, Any]) -> 
     help="Delete events matched to no message (unmatched, foreign, malformed) received longer "
     "ago than this, whatever --older-than and --dedup-window say.",
 )
+@option(
+    "--stopped-relays-older-than",
+    type=_DURATION,
+    default="7d",
+    help="Delete the outbox_relays rows of relays that stopped cleanly longer ago than this.",
+)
 @click.option(
     "--batch-size",
     type=click.IntRange(1, 100_000),
@@ -1274,8 +1299,8 @@ def _log_prune(conn: sa.Connection, log_id: int | None, row: dict[str, Any]) -> 
 )
 def prune(
     database_url: str, older_than: timedelta, dedup_window: timedelta,
-    unmatched_events_older_than: timedelta, batch_size: int,
-    include_unknown_outcome: bool, dry_run: bool, actor: str, as_json: bool,
+    unmatched_events_older_than: timedelta, stopped_relays_older_than: timedelta,
+    batch_size: int, include_unknown_outcome: bool, dry_run: bool, actor: str, as_json: bool,
 ) -> None:  # fmt: skip
     """Delete finished messages (sent, resolved as delivered, failed, cancelled, expired),
     their attempts and their events, older than the cutoff; and events matched to no message
@@ -1302,6 +1327,8 @@ def prune(
             now = read_database_time(conn)
             cutoff = now - max(older_than, dedup_window)
             unmatched_cutoff = now - unmatched_events_older_than
+            relays_cutoff = now - stopped_relays_older_than
+            stopped_relays = _count_stopped_relays(conn, before=relays_cutoff) if dry_run else 0
             matched = (
                 store.count_messages(conn, _prunable(cutoff, statuses))
                 if dry_run or _show_progress()
@@ -1316,6 +1343,7 @@ def prune(
             "dedup_window_seconds": dedup_window.total_seconds(),
             "unmatched_events_cutoff": unmatched_cutoff,
             "unmatched_events_older_than_seconds": unmatched_events_older_than.total_seconds(),
+            "stopped_relays_older_than_seconds": stopped_relays_older_than.total_seconds(),
             "include_unknown_outcome": include_unknown_outcome,
         }
         interrupted: _Interrupted | None = None
@@ -1325,15 +1353,24 @@ def prune(
                 _prune_batches(
                     engine, pruned, cutoff, batch_size, matched or 0,
                     statuses=statuses, unmatched_before=unmatched_cutoff,
+                    relays_before=relays_cutoff,
                     log=_action(now, actor, OperatorAction.PRUNE), facts=facts,
                 )  # fmt: skip
         except _Interrupted as stopped:  # --json still says how many went, then the line
             interrupted = stopped
     if as_json:
         counts = (
-            {"would_delete": matched, "would_delete_events": matched_events}
+            {
+                "would_delete": matched,
+                "would_delete_events": matched_events,
+                "would_delete_relays": stopped_relays,
+            }
             if dry_run
-            else {"deleted": pruned.messages, "deleted_events": pruned.events}
+            else {
+                "deleted": pruned.messages,
+                "deleted_events": pruned.events,
+                "deleted_relays": pruned.relays,
+            }
         )
         stop = {"interrupted": interrupted.why} if interrupted else {}
         click.echo(
@@ -1355,12 +1392,12 @@ def prune(
     if dry_run:
         click.echo(
             f"would delete {matched} message(s) created before {_text(cutoff)}, and "
-            f"{matched_events} event(s)"
+            f"{matched_events} event(s), and {stopped_relays} stopped relay row(s)"
         )
     else:
         click.echo(
             f"deleted {pruned.messages} message(s) created before {_text(cutoff)}, and "
-            f"{pruned.events} event(s)"
+            f"{pruned.events} event(s), and {pruned.relays} stopped relay row(s)"
         )
 
 
@@ -1370,6 +1407,7 @@ class _Pruned:
 
     messages: int = 0
     events: int = 0
+    relays: int = 0
 
 
 def _prune_batches(
@@ -1381,6 +1419,7 @@ def _prune_batches(
     *,
     statuses: Sequence[str],
     unmatched_before: datetime,
+    relays_before: datetime,
     log: dict[str, Any],
     facts: dict[str, Any],
 ) -> None:
@@ -1394,6 +1433,8 @@ def _prune_batches(
         with _progress(expected, f"prune {expected} message(s)") as advance:
             while True:
                 with engine.begin() as conn:
+                    if log_id is None:  # the first batch: the stopped relays' rows, few
+                        pruned.relays = _prune_stopped_relays(conn, before=relays_before)
                     if not messages_done:
                         count, gone = _prune_messages(
                             conn, before=cutoff, limit=batch_size, statuses=statuses
@@ -1409,6 +1450,7 @@ def _prune_batches(
                         **facts,
                         deleted=pruned.messages + count,
                         deleted_events=pruned.events + gone,
+                        deleted_relays=pruned.relays,
                     )
                     log_id = _log_prune(conn, log_id, {**log, "detail": detail})
                 pruned.messages += count

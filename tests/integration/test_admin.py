@@ -386,6 +386,40 @@ def test_prune_takes_events_with_their_messages_and_keeps_unknown_outcomes_unles
     assert datetime.fromisoformat(first["cutoff"]) < datetime.now(UTC) - timedelta(days=29)
 
 
+def test_prune_takes_the_rows_of_relays_that_stopped_long_ago(backend):
+    """Every rollout adds a row per pod to outbox_relays: a prune removes those of relays that
+    stopped cleanly before --stopped-relays-older-than (7 days), never a running relay's or
+    one that died without stopping (its id is taken over when reused)."""
+    engine, now = backend.engine, datetime.now(UTC)
+    rows = [
+        ("old-stopped", "stopped", now - timedelta(days=8)),
+        ("new-stopped", "stopped", now - timedelta(days=1)),
+        ("old-running", "running", now - timedelta(days=8)),
+    ]
+    with engine.begin() as conn:
+        for relay_id, state, at in rows:
+            conn.execute(
+                relays.insert().values(
+                    relay_id=relay_id, host="h", pid=1, started_at=at, heartbeat_at=at, state=state
+                )
+            )
+
+    def left() -> list[str]:
+        with engine.connect() as conn:
+            stmt = sa.select(relays.c.relay_id).order_by(relays.c.relay_id)
+            return list(conn.execute(stmt).scalars())
+
+    dry = json.loads(cli(backend, "prune", "--older-than", "30d", "--dry-run", "--json").output)
+    assert dry["would_delete_relays"] == 1
+    assert left() == ["new-stopped", "old-running", "old-stopped"]
+    report = json.loads(cli(backend, "prune", "--older-than", "30d", "--json").output)
+    assert report["deleted_relays"] == 1
+    assert left() == ["new-stopped", "old-running"]
+    done = cli(backend, "prune", "--older-than", "30d", "--stopped-relays-older-than", "1h")
+    assert "and 1 stopped relay row(s)" in done.output
+    assert left() == ["old-running"]
+
+
 def test_prune_takes_unmatched_and_foreign_events_after_their_own_short_horizon(backend, backlog):
     """Events matched to no message change nothing and dedupe nothing of ours: a prune takes
     them after --unmatched-events-older-than (3 days), not the 30-day dedup window; a matched

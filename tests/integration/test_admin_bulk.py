@@ -413,10 +413,12 @@ def test_prune_says_when_the_dedup_window_clamps_and_reports_json(backend):
         "dry_run": True,
         "would_delete": 3,
         "would_delete_events": 0,
+        "would_delete_relays": 0,
         "include_unknown_outcome": False,
         "older_than_seconds": 1.0,
         "dedup_window_seconds": 30 * 86400.0,
         "unmatched_events_older_than_seconds": 3 * 86400.0,
+        "stopped_relays_older_than_seconds": 7 * 86400.0,
         "clamped_to_dedup_window": True,
     }
     cutoff = datetime.fromisoformat(report["cutoff"])
