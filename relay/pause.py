@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from email.utils import getaddresses
 
 __all__ = [
     "ACCOUNT",
@@ -78,7 +79,6 @@ def identity(sender: str) -> str:
 # SES: "Email address is not verified. The following identities failed the check in region
 # US-EAST-1: Shop <shop@example.com>, someone@example.org" (API and SMTP interface alike)
 _FAILED_CHECK = re.compile(r"identities failed the check in region\b[^:]*:(.*)", re.I | re.S)
-_ADDRESS = re.compile(r"[^\s<>,;:\"'`()\[\]]+@[^\s<>,;:\"'`()\[\]]+")
 # an access denial names the resource: "... on resource `arn:aws:ses:...:identity/x'"
 _IDENTITY_RESOURCE = re.compile(r":identity/([^\s'`\"]+)")
 _CONFIGURATION_SET_RESOURCE = re.compile(r":configuration-set/([^\s'`\"]+)")
@@ -92,9 +92,9 @@ def unverified_scope(text: str, sender: str) -> Scope | None:
     found = _FAILED_CHECK.search(text)
     if found is None or not sender:
         return None
-    listed = found.group(1)
-    named = {a.rstrip(".").lower() for a in _ADDRESS.findall(listed)}
-    named |= {item.strip().rstrip(".").lower() for item in listed.split(",") if "@" not in item}
+    # the list as RFC 5322 addresses: a display name's commas and an address's quotes
+    # (o'brien@) are parsed as such, never taken for a domain of their own
+    named = {addr.strip().rstrip(".").lower() for _, addr in getaddresses([found.group(1)])}
     address = identity(sender)
     domain = address.rpartition("@")[2]
     if address in named:

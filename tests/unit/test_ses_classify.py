@@ -435,6 +435,18 @@ SHOP = Scope(ScopeKind.IDENTITY, "shop@example.com")
             None,
             id="look-alikes-are-recipients",
         ),
+        pytest.param(
+            "o'brien@example.com",
+            f"{NOT_VERIFIED} US-EAST-1: o'brien@example.com",
+            Scope(ScopeKind.IDENTITY, "o'brien@example.com"),
+            id="an-apostrophe-in-the-address",
+        ),
+        pytest.param(
+            "victim@platform.example",
+            f'{NOT_VERIFIED} US-EAST-1: "x, platform.example, y" <mallory@platform.example>',
+            None,
+            id="a-domain-inside-a-display-name-is-no-identity",
+        ),
         pytest.param("shop@example.com", "Email address is not verified.", None, id="none-named"),
         pytest.param("", f"{NOT_VERIFIED} US-EAST-1: shop@example.com", None, id="no-sender-known"),
     ],
