@@ -15,13 +15,13 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import importlib
 import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from email import policy
-from email.header import decode_header
 from email.message import EmailMessage, MIMEPart
 from email.utils import formataddr
 from types import MappingProxyType
@@ -67,6 +67,9 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 # 7bit keeps the rendered message pure ASCII; "none" keeps pre-folded raw headers intact
 _POLICY = policy.SMTP.clone(cte_type="7bit", refold_source="none")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+# the decoder the email package writes headers with (private, and without type stubs)
+_encoded_words: Any = importlib.import_module("email._encoded_words")
+_ENCODED_WORD = re.compile(r"=\?[^?\s]*\?[bBqQ]\?[^?\s]*\?=")
 _FOLD = re.compile(r"\r?\n(?=[ \t])")  # a folded header's line break, before its white space
 _HEADER_NAME = re.compile(r"[!-9;-@A-~]{1,126}")
 _HEADER_VALUE = re.compile(r"[ -~]{1,995}")
@@ -117,8 +120,11 @@ def _check_rendered(message: EmailMessage) -> None:
     holds a line break that is not a fold: the last guard against a header we did not foresee
     being decoded into a new header line."""
     for part in message.walk():
-        for name, value in part.items():
-            text = _FOLD.sub(" ", str(value))
+        for name in part:
+            try:
+                text = _FOLD.sub(" ", str(part[name]))
+            except ValueError as exc:  # the email package refuses to read it (an address)
+                raise HeaderInjection(f"headers['{name}']", f"cannot be rendered: {exc}") from None
             found = _CONTROL.search(text) or _CONTROL.search(_decoded_words(text))
             if found is not None:
                 raise HeaderInjection(
@@ -128,25 +134,20 @@ def _check_rendered(message: EmailMessage) -> None:
 
 
 def _decoded_words(value: str) -> str:
-    """The text of the RFC 2047 encoded-words (``=?utf-8?q?...?=``) in ``value``: Python's
-    email package decodes them when it writes a header, and builds without the
-    CVE-2024-6923 fix write a decoded CR/LF as a real line break (a new header). A word in a
-    charset Python does not know counts by its CR and LF bytes, which no ASCII-compatible
-    charset uses for anything else."""
+    """The text of each RFC 2047 encoded-word (``=?utf-8?q?...?=``) in ``value``, decoded
+    one by one as Python's email package decodes them when it writes a header (its own
+    decoder: a ``charset*lang`` word, bad padding, an unknown charset read as bytes): builds
+    without the CVE-2024-6923 fix write a decoded CR/LF as a real line break (a new header).
+    A word it cannot decode at all is written as it is, and checked as itself."""
     if "=?" not in value:
         return ""
-    try:
-        parts = decode_header(value)
-    except Exception:  # malformed: the raw value is what is written
-        return ""
     text = []
-    for chunk, charset in parts:
-        if isinstance(chunk, str) or charset is None:
-            continue  # plain text, checked as itself
+    for word in _ENCODED_WORD.findall(value):
         try:
-            text.append(chunk.decode(charset, errors="replace"))
-        except LookupError:
-            text.append("".join(chr(byte) for byte in chunk if byte in (0x0A, 0x0D)))
+            decoded, *_ = _encoded_words.decode(word)
+        except Exception:  # undecodable: written as it is
+            continue
+        text.append(decoded)
     return "".join(text)
 
 

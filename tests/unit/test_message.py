@@ -131,6 +131,18 @@ INJECTIONS = [
         "headers['X-Ref']",
         id="hval-ew",
     ),
+    # an undecodable word first must not hide the next one; a charset*language word decodes
+    pytest.param(
+        {"subject": "=?utf-8?b?A?= =?utf-8?q?=0D=0ABcc:_v@x.com?="},
+        "subject",
+        id="subject-ew-after-bad",
+    ),
+    pytest.param({"subject": "=?iso-8859-1*en?q?a=85b?="}, "subject", id="subject-ew-lang-nel"),
+    pytest.param(
+        {"to": ['"=?utf-8?b?A?= =?utf-8?q?=0D=0AX?=" <a@example.com>']},
+        "to[0]",
+        id="to-ew-after-bad",
+    ),
 ]
 
 
@@ -157,6 +169,11 @@ def test_a_rendered_header_that_decodes_to_a_line_break_is_refused() -> None:
     with pytest.raises(HeaderInjection) as info:
         message.to_mime()
     assert info.value.field == "headers['Subject']"
+    object.__setattr__(message, "subject", "ok")
+    object.__setattr__(message, "to", ('"=?utf-8?q?A=0D=0AX?=" <a@example.com>',))
+    with pytest.raises(HeaderInjection) as info:  # not a bare ValueError: a retry never helps
+        message.to_mime()
+    assert info.value.field == "headers['To']"
 
 
 def test_tab_is_allowed_in_subject() -> None:
