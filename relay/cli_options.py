@@ -13,7 +13,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from relay import store
 from relay.config import URL_FORMS
-from relay.db import make_engine
+from relay.db import make_engine, masked_url
 
 __all__ = [
     "StartupError",
@@ -50,8 +50,8 @@ def warn_secret_flag(ctx: click.Context, param: click.Parameter, value: Any) -> 
     flag = param.opts[0]
     if flag == "--database-url":
         try:
-            if sa.make_url(value).password is None:
-                return value
+            if masked_url(value) == sa.make_url(value).render_as_string(hide_password=False):
+                return value  # nothing secret in it
         except ArgumentError:
             return value  # not a URL: its own error comes later
     envvar = param.envvar if isinstance(param.envvar, str) else "its variable"
@@ -94,7 +94,7 @@ def first_line(error: BaseException) -> str:
 
 
 def safe_url(engine: sa.Engine) -> str:
-    return engine.url.render_as_string(hide_password=True)
+    return masked_url(engine.url)
 
 
 def open_engine(url: str, *, read_timeout: float | None = None) -> sa.Engine:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine"]
+__all__ = ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine", "masked_url"]
 
 READ_COMMITTED = "READ COMMITTED"
 CONNECT_TIMEOUT = 10  # seconds; see make_engine
 READ_TIMEOUT = 30  # seconds; see make_engine
 _TIMEOUT_DRIVERS = frozenset({"psycopg", "psycopg2", "pymysql", "mysqldb"})
 _READ_TIMEOUT_DRIVERS = frozenset({"pymysql", "mysqldb"})
+# query parameters that carry a secret (libpq's password, sslpassword; drivers' passwd, ...)
+_SECRET_PARAMETER = re.compile(r"pass|pwd|secret|token|key", re.IGNORECASE)
 
 
 def make_engine(
@@ -55,3 +58,14 @@ def make_engine(
     options.setdefault("pool_pre_ping", True)
     options.setdefault("pool_recycle", 1800)
     return sa.create_engine(url, **options)
+
+
+def masked_url(url: str | sa.URL) -> str:
+    """``url`` as it may be shown: its password and every query parameter that may carry a
+    secret (``?password=``, ``?sslpassword=``, ``?passwd=``) replaced by ``***``."""
+    parsed = sa.make_url(url)
+    query = {
+        name: "***" if _SECRET_PARAMETER.search(name) else value
+        for name, value in parsed.query.items()
+    }
+    return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")

@@ -41,7 +41,7 @@ from outbox.schema import AttemptOutcome, RelayState
 from relay import signals, store
 from relay.clock import DatabaseClock
 from relay.config import RelayConfig, valid_send_rate
-from relay.db import READ_COMMITTED
+from relay.db import READ_COMMITTED, masked_url
 from relay.pause import ACCOUNT, Admission, Pauses, Scope, ScopeKind, identity
 from relay.policy import Action, Decision, decide
 from relay.ratelimit import RateController, SendBudget, Slot
@@ -1034,7 +1034,7 @@ class Relay:
                 "relay_id": self.relay_id,
                 "sender_kind": self.sender.name,
                 **details,
-                "database": self.engine.url.render_as_string(hide_password=True),
+                "database": masked_url(self.engine.url),
             },
         )
         if self.sender.name == "console":

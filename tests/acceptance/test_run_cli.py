@@ -445,6 +445,21 @@ def test_the_start_line_masks_the_database_password(postgres_backend):
     assert "s3cret-pw" not in done.stderr + done.stdout
     (line,) = [x for x in done.stderr.splitlines() if "action=started" in x]
     assert ":***@" in line
+    # libpq also takes the password as a query parameter: masked too, and warned about
+    in_query = sa.make_url(postgres_backend.url).update_query_dict({"password": "hunter2-pw"})
+    done = relay(
+        "run",
+        "--database-url",
+        in_query.render_as_string(hide_password=False),
+        "--sender",
+        FAKE_SENDER,
+        "--exit-when-idle",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "hunter2-pw" not in done.stderr + done.stdout
+    assert "Warning: --database-url holds a password" in done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if "action=started" in x]
+    assert "password=***" in line
 
 
 def test_a_password_given_as_a_flag_is_warned_about_and_as_a_variable_is_not(tmp_path):
