@@ -81,7 +81,7 @@ EXPORTS = {
         "sender_from_env",
     ],
     "relay.worker": ["STUCK_RETRY", "Relay"],
-    "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine"],
+    "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine", "masked_url"],
     "relay.http": ["Server", "start_http_server"],
     "relay.metrics": [
         "CLAIM_BUCKETS",
