@@ -182,28 +182,34 @@ class _App:
 
 
 class _Tally:
-    """Counts connections closed for one reason; :meth:`flush` logs the count at most once per
-    ``_TALLY_SECONDS`` (a flood of slow clients would otherwise flood the log too). Used by
-    the accept loop's thread only."""
+    """Counts connections ended for one reason; :meth:`flush` (from the accept loop) logs the
+    count at most once per ``_TALLY_SECONDS``: a flood of slow or resetting clients would
+    otherwise flood the log too."""
 
-    def __init__(self, what: str, action: str) -> None:
-        self._what, self._action = what, action
+    def __init__(self, what: str, action: str, verb: str = "closed") -> None:
+        self._what, self._action, self._verb = what, action, verb
+        self._lock = threading.Lock()
         self._count = 0
         self._logged_at = -math.inf
 
     def add(self) -> None:
-        self._count += 1
+        with self._lock:
+            self._count += 1
 
     def flush(self) -> None:
         now = time.monotonic()
-        if self._count and now - self._logged_at >= _TALLY_SECONDS:
-            _log.warning(
-                "closed %d connection(s) %s",
-                self._count,
-                self._what,
-                extra={"action": self._action, "connections": self._count},
-            )
+        with self._lock:
+            count = self._count
+            if not count or now - self._logged_at < _TALLY_SECONDS:
+                return
             self._count, self._logged_at = 0, now
+        _log.warning(
+            "%s %d connection(s) %s",
+            self._verb,
+            count,
+            self._what,
+            extra={"action": self._action, "connections": count},
+        )
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -232,6 +238,9 @@ class _HTTPServer(ThreadingHTTPServer):
         self._heads: dict[socket.socket, float] = {}
         self._late = _Tally(f"that sent no request within {head_seconds:g}s", "http_timeout")
         self._over = _Tally(f"over the limit of {max_connections}", "http_busy")
+        self._reset = _Tally(
+            "ended by the client mid-request (reset, closed)", "http_error", verb="counted"
+        )
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -288,9 +297,14 @@ class _HTTPServer(ThreadingHTTPServer):
             _shut(request)
         self._late.flush()
         self._over.flush()
+        self._reset.flush()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        """One log line instead of socketserver's traceback on stderr."""
+        """One log line instead of socketserver's traceback on stderr; a client that resets or
+        closes mid-request is only counted (anyone can do that a thousand times a minute)."""
+        if isinstance(sys.exception(), ConnectionError):
+            self._reset.add()
+            return
         _log.warning(
             "request from %s failed: %s",
             client_address[0],

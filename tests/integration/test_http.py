@@ -449,18 +449,23 @@ def test_a_client_that_never_finishes_its_request_is_closed_after_the_head_deadl
         ]
 
 
-def test_a_client_that_resets_mid_request_is_one_log_line_and_nothing_on_stderr(tmp_path, capfd):
+def test_clients_that_reset_mid_request_are_counted_in_one_log_line_nothing_on_stderr(
+    tmp_path, capfd
+):
+    """Anyone who reaches the port can reset a thousand connections a minute: each is
+    counted, one line a minute says how many, and socketserver's traceback never reaches
+    stderr."""
     with unstarted_relay(tmp_path) as relay, http_log() as log, serving(relay) as http:
-        with socket.create_connection(("127.0.0.1", http.server.port), timeout=5) as client:
-            client.sendall(b"GET /healthz HTTP/1.0\r\nHost: relay\r\n")
-            time.sleep(0.2)  # the server waits for the rest of the head
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        for _ in range(30):
+            with socket.create_connection(("127.0.0.1", http.server.port), timeout=5) as client:
+                client.sendall(b"GET /healthz HTTP/1.0\r\nHost: relay\r\n")
+                time.sleep(0.02)  # the server waits for the rest of the head
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         wait_for(lambda: log.actions("http_error"))
-        time.sleep(0.2)  # room for a second line
+        time.sleep(0.5)  # room for more lines, were there any
         assert http.get("/healthz").status == 503, "still serving"
     (line,) = log.actions("http_error")
-    assert line.startswith("request from 127.0.0.1 failed: ")
-    assert "Error" in line
+    assert "connection(s) ended by the client mid-request" in line
     assert "\n" not in line
     assert capfd.readouterr().err == ""
 
