@@ -3,7 +3,9 @@
 # The outbox relay as a sidecar image: `outbox-relay run` delivers the outbox, and the same
 # image runs `outbox-relay migrate` as an init step (its migrations are in the outbox package).
 #
-#   docker build -t sqlalchemy-outbox-relay .
+#   docker pull python:3.11-slim
+#   docker build -t sqlalchemy-outbox-relay \
+#     --build-arg PYTHON_IMAGE=$(docker inspect --format '{{index .RepoDigests 0}}' python:3.11-slim) .
 #   docker run --rm -e OUTBOX_DATABASE_URL=... sqlalchemy-outbox-relay migrate   # init step
 #   docker run -e OUTBOX_DATABASE_URL=... -e AWS_REGION=... sqlalchemy-outbox-relay   # the relay
 #
@@ -32,18 +34,35 @@
 # the pod, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), AWS_ENDPOINT_URL_SESV2 to point it
 # elsewhere. Nothing secret is baked into the image.
 
+# Nothing floats: the base is pinned by digest (PYTHON_IMAGE, the build refuses a bare tag
+# unless ALLOW_UNPINNED_BASE=1 says it is a local try) and every dependency, the build backend
+# included, is the file image-requirements.txt names by version and sha256.
 ARG PYTHON_IMAGE=python:3.11-slim
 
-# -- build: wheels of the project (with its ses, postgres and mysql extras) and its deps ----
+# -- build: the locked wheels (hash-checked) and the project's wheel -----------------------
 FROM ${PYTHON_IMAGE} AS build
+ARG PYTHON_IMAGE
+ARG ALLOW_UNPINNED_BASE=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+RUN case "$PYTHON_IMAGE" in \
+      *@sha256:*) ;; \
+      *) [ -n "$ALLOW_UNPINNED_BASE" ] || { \
+           echo "PYTHON_IMAGE=$PYTHON_IMAGE is not pinned by digest: build with --build-arg PYTHON_IMAGE=<image>@sha256:<digest> (or ALLOW_UNPINNED_BASE=1 for a local try)" >&2; \
+           exit 1; } ;; \
+    esac
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY image-requirements.txt ./
+RUN pip download --require-hashes --no-deps --only-binary=:all: --dest /wheels \
+        -r image-requirements.txt \
+    && pip install --no-index --find-links=/wheels --require-hashes --no-deps \
+        -r image-requirements.txt
+COPY pyproject.toml README.md LICENSE ./
 COPY outbox ./outbox
 COPY relay ./relay
-RUN pip wheel --wheel-dir /wheels ".[ses,postgres,mysql]"
+RUN pip wheel --no-index --no-deps --no-build-isolation --wheel-dir /wheels .
 
-# -- runtime: only the installed packages, run as a fixed non-root uid ---------------------
+# -- runtime: the project and the locked wheels it needs (no build backend), run as a fixed
+# non-root uid ---------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \

@@ -402,8 +402,7 @@ def test_the_dockerfile_builds_a_slim_wheel_image_that_runs_the_relay_as_a_fixed
     build, runtime = stages[0], DOCKERFILE.runtime
     assert build.name is not None
     wheel = " ".join(build.all("RUN"))
-    assert "pip wheel" in wheel
-    assert '".[ses,postgres,mysql]"' in wheel
+    assert "pip wheel --no-index --no-deps --no-build-isolation" in wheel
     install = " ".join(runtime.all("RUN"))
     assert f"from={build.name}" in install
     assert '"sqlalchemy-outbox[ses,postgres,mysql]"' in install
@@ -423,6 +422,100 @@ def test_the_dockerfile_builds_a_slim_wheel_image_that_runs_the_relay_as_a_fixed
     env = runtime.env()
     assert runtime.last("EXPOSE") == env["OUTBOX_HTTP_PORT"] == "8080"
     assert float(env["OUTBOX_DRAIN_SECONDS"]) >= 20.0  # the default --send-timeout
+
+
+def _base_guard() -> str:
+    """The build stage's RUN that checks the base image's pin, as the shell runs it."""
+    (guard,) = [run for run in DOCKERFILE.stages[0].all("RUN") if "@sha256:" in run]
+    return guard
+
+
+@pytest.mark.parametrize(
+    ("image", "allow", "refused"),
+    [
+        ("python:3.11-slim", "", True),
+        ("docker.io/library/python:3.11-slim", "", True),
+        ("python:3.11-slim@sha256:" + "0" * 64, "", False),
+        ("python@sha256:" + "ab" * 32, "", False),
+        ("python:3.11-slim", "1", False),  # a local try, said out loud
+    ],
+)
+def test_the_build_refuses_a_base_image_not_pinned_by_digest(image, allow, refused):
+    assert DOCKERFILE.stages[0].image == "python:3.11-slim"  # the ARG's default: a bare tag
+    ran = subprocess.run(
+        ["sh", "-c", _base_guard()],
+        env={"PATH": "/usr/bin:/bin", "PYTHON_IMAGE": image, "ALLOW_UNPINNED_BASE": allow},
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+    assert (ran.returncode != 0) is refused, ran.stderr
+    if refused:
+        (line,) = ran.stderr.splitlines()
+        assert f"PYTHON_IMAGE={image} is not pinned by digest" in line
+        assert "ALLOW_UNPINNED_BASE=1" in line
+
+
+def _locked() -> dict[str, tuple[str, list[str]]]:
+    """image-requirements.txt: name -> (pinned version, sha256 hashes)."""
+    from packaging.utils import canonicalize_name
+
+    text = (REPO / "image-requirements.txt").read_text()
+    logical = re.sub(r"\\\n", " ", re.sub(r"(?m)^\s*#.*\n", "", text))
+    locked = {}
+    for line in logical.splitlines():
+        if not line.strip():
+            continue
+        requirement, *options = line.split()
+        name, sep, version = requirement.partition("==")
+        assert sep, f"{requirement}: every line pins one version"
+        assert version, requirement
+        hashes = [o.removeprefix("--hash=sha256:") for o in options]
+        assert hashes, line
+        assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), line
+        locked[canonicalize_name(name)] = (version, hashes)
+    return locked
+
+
+def test_the_image_installs_only_locked_files_checked_against_their_hashes():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    locked = _locked()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    wanted = [
+        *project["project"]["dependencies"],
+        *(
+            r
+            for extra in ("ses", "postgres", "mysql")
+            for r in project["project"]["optional-dependencies"][extra]
+        ),
+        *project["build-system"]["requires"],
+    ]
+    for spec in wanted:
+        requirement = Requirement(spec)
+        assert requirement.marker is None or requirement.marker.evaluate()
+        name = canonicalize_name(requirement.name)
+        if name == "sqlalchemy-outbox":
+            continue
+        assert name in locked, f"{spec} is not in image-requirements.txt: regenerate it"
+        version, _ = locked[name]
+        assert requirement.specifier.contains(version, prereleases=True), (spec, version)
+
+    build, runtime = DOCKERFILE.stages[0], DOCKERFILE.runtime
+    assert "image-requirements.txt" in " ".join(build.all("COPY"))
+    fetches = [run for run in build.all("RUN") if "image-requirements.txt" in run]
+    assert fetches
+    for run in fetches:
+        for pip in re.split(r"&&", run):
+            assert "--require-hashes" in pip, pip
+    download = next(run for run in fetches if "pip download" in run)
+    assert "--only-binary=:all:" in download  # no sdist runs code at build time
+    # the runtime stage reaches no index: only the build stage's checked wheels
+    assert all("--no-index" in run for run in runtime.all("RUN") if "pip install" in run)
 
 
 def test_the_image_is_configured_only_through_documented_outbox_variables():
@@ -452,7 +545,14 @@ def test_dockerignore_keeps_tests_venvs_and_caches_out_and_the_wheel_ships_the_m
     assert "outbox/_migrations/versions/0001_outbox_initial.py" in image.context
     for path in image.context:
         top = path.split("/", 1)[0]
-        assert top in {"pyproject.toml", "README.md", "LICENSE", "outbox", "relay"}, path
+        assert top in {
+            "pyproject.toml",
+            "image-requirements.txt",
+            "README.md",
+            "LICENSE",
+            "outbox",
+            "relay",
+        }, path
         assert "__pycache__" not in path
         assert not path.endswith((".pyc", ".pyo"))
 
