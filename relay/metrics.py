@@ -25,6 +25,9 @@ name                                type      labels               what
                                                                    unlimited
 ``outbox_paused``                   gauge                          1 while the provider has sending
                                                                    paused, else 0
+``outbox_scope_paused``             gauge     kind, name, via      1 for each paused configuration
+                                                                   set or identity (only its mail
+                                                                   is held); absent when none is
 ``outbox_lag_seconds``              gauge     category             age of the oldest due message
                                                                    (0 once none is due)
 ``outbox_due_messages``             gauge     category             messages due now
@@ -99,6 +102,7 @@ from outbox.schema import events
 from relay import signals, store
 from relay.clock import read_database_time
 from relay.intake import Intake
+from relay.pause import ScopeKind
 from relay.worker import Relay
 
 __all__ = [
@@ -307,6 +311,15 @@ class _StateCollector(Collector):
             "1 while the provider has sending paused, else 0.",
             value=1.0 if relay.paused else 0.0,
         )
+        scoped = GaugeMetricFamily(
+            "outbox_scope_paused",
+            "1 for each paused configuration set or sending identity (only its mail is held).",
+            labels=["kind", "name", "via"],
+        )
+        for scope in relay.pauses.scopes:  # a copy: the loop thread may pause or resume meanwhile
+            if scope.kind is not ScopeKind.ACCOUNT:
+                scoped.add_metric([scope.kind.value, scope.name, scope.via], 1.0)
+        yield scoped
         limit = GaugeMetricFamily(
             "outbox_send_rate_limit",
             "This relay's current send limit in recipients per second (absent: no limit).",

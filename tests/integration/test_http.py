@@ -26,6 +26,7 @@ from outbox.schema import attempts, messages
 from relay.db import CONNECT_TIMEOUT, make_engine
 from relay.http import start_http_server
 from relay.metrics import RelayMetrics
+from relay.pause import Scope, ScopeKind
 from relay.senders import Accepted, Disabled, OutgoingMessage, Permanent, Transient
 from relay.testing import FakeSender
 from relay.worker import Relay
@@ -538,6 +539,37 @@ def test_metrics_match_what_the_database_holds(backend):
     )
 
 
+def test_a_scoped_pause_shows_in_its_own_gauge_and_the_relay_stays_unpaused(backend):
+    """An identity paused by the provider: ``outbox_scope_paused`` names it while the account
+    gauge stays 0 (the rest of the mail goes on), and the series goes when the pause ends."""
+    denied = Scope(ScopeKind.IDENTITY, "promo@example.com")
+    refusing = threading.Event()
+    refusing.set()
+    accepted: list[int] = []
+
+    def answer(m: OutgoingMessage):
+        if refusing.is_set() and m.email.sender == "promo@example.com":
+            return Disabled(code="AccessDeniedException", pause=True, scope=denied)
+        accepted.append(m.id)
+        return Accepted(provider_message_id=f"id-{m.id}")
+
+    enqueue(backend.engine, 2, short=True, sender="promo@example.com")
+    shop = enqueue(backend.engine, 3, short=True, prefix="shop")
+    sender = FakeSender(answer)
+    relay = relay_for(backend, sender, pause_seconds=0.5)
+    with serving(relay) as http, running(relay):
+        wait_for(lambda: relay.pauses.paused(denied))
+        wait_for(lambda: set(shop) <= set(accepted))
+        samples = http.samples()
+        assert value(samples, "outbox_paused") == 0.0
+        assert named(samples, "outbox_scope_paused") == {
+            frozenset({"kind": "identity", "name": "promo@example.com", "via": ""}.items()): 1.0
+        }
+        refusing.clear()  # the identity is verified again: the next probe ends the pause
+        wait_for(lambda: not relay.pauses.paused(denied), timeout=10)
+        assert named(http.samples(), "outbox_scope_paused") == {}
+
+
 def test_metrics_page_is_prometheus_text_with_conventional_names(backend):
     relay = relay_for(backend, FakeSender())
     with serving(relay) as http:
@@ -552,6 +584,7 @@ def test_metrics_page_is_prometheus_text_with_conventional_names(backend):
         "outbox_relay_info": "gauge",
         "outbox_in_flight": "gauge",
         "outbox_paused": "gauge",
+        "outbox_scope_paused": "gauge",
         "outbox_send_rate_limit": "gauge",
         "outbox_lag_seconds": "gauge",
         "outbox_due_messages": "gauge",
