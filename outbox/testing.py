@@ -20,8 +20,15 @@ Then, in a test::
         assert sender.sent_ids == [message.id]
         assert outbox_messages()[0].status == "sent"
 
-``outbox_messages()`` only sees rows created after the test started (so leftovers of other
-tests never show up) and only committed ones (it reads through its own connection).
+Each test that uses ``outbox_messages`` or ``outbox_relay`` starts with an **empty outbox**:
+before the test's other fixtures run, the plugin deletes every outbox message (with its
+attempts) and every provider event from the ``outbox_engine``'s database, so the relay never
+sends an earlier test's mail. Point ``outbox_engine`` at a test database only; mark a test
+``@pytest.mark.outbox_keep`` to keep what is there. ``outbox_messages()`` sees only committed
+rows (it reads through its own connection) created after the test started.
+``sender.sent_ids`` are the messages the fake sender accepted; ``sender.called_ids`` every
+call, refused ones too. Outcomes to script failures with are in :mod:`relay.senders`
+(``from relay.senders import Transient, Permanent, Accepted``).
 ``outbox_relay(sender=None, *, timeout=30, **settings)`` returns the
 :class:`relay.testing.FakeSender` it used; pass ``sender=FakeSender(outcomes=[...])`` to script
 failures. Past ``timeout`` it stops the relay and raises :class:`relay.testing.RelayNotIdle`
@@ -44,9 +51,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox.message import Email
-from outbox.schema import Status, messages
+from outbox.schema import Status, attempts, events, messages
 
-__all__ = ["EnqueuedMessage", "enqueued_messages"]
+__all__ = ["EnqueuedMessage", "empty_outbox", "enqueued_messages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +108,15 @@ def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedM
     ]
 
 
+def empty_outbox(engine: sa.Engine) -> None:
+    """Delete every outbox message, its attempts and every provider event on ``engine``'s
+    database, in one transaction: a test database's outbox as a new one. Suppressions, the
+    relays' rows and the operators' log are kept."""
+    with engine.begin() as conn:
+        for table in (attempts, events, messages):  # attempts reference messages
+            conn.execute(sa.delete(table))
+
+
 try:
     import pytest
 except ModuleNotFoundError as missing:  # outside pytest: enqueued_messages alone
@@ -111,7 +127,26 @@ else:
     _PYTEST = True
 
 if _PYTEST:
-    __all__ += ["outbox_engine", "outbox_messages", "outbox_relay"]
+    __all__ += ["outbox_engine", "outbox_messages", "outbox_relay", "pytest_configure"]
+
+    _USES_OUTBOX = frozenset({"outbox_messages", "outbox_relay"})
+
+    def pytest_configure(config: pytest.Config) -> None:
+        config.addinivalue_line(
+            "markers",
+            "outbox_keep: do not empty the outbox before this test (the outbox plugin does "
+            "for every test that uses outbox_messages or outbox_relay)",
+        )
+
+    @pytest.fixture(autouse=True)
+    def _outbox_starts_empty(request: pytest.FixtureRequest) -> None:
+        """Empty the outbox before a test that uses the outbox fixtures. Autouse, so it runs
+        before the test's own fixtures, which may enqueue and commit."""
+        if not _USES_OUTBOX & set(request.fixturenames):
+            return
+        if request.node.get_closest_marker("outbox_keep") is not None:
+            return
+        empty_outbox(_prepared(request.getfixturevalue("outbox_engine")))
 
     def _last_id(engine: sa.Engine) -> int:
         with engine.connect() as conn:

@@ -56,6 +56,9 @@ class FakeSender(BaseSender):
     call (then ``Accepted`` once it runs out). ``latency`` seconds are slept per send. With
     ``record_file``, each call appends ``id<TAB>key<TAB>pid`` to it (one ``write`` of one line
     under ``O_APPEND``, so concurrent processes never interleave).
+
+    ``sent_ids`` are the messages it accepted (what a real provider would have delivered);
+    ``called_ids`` and ``calls`` are every call, refused and failed ones too, in order.
     """
 
     name = "fake"
@@ -72,6 +75,7 @@ class FakeSender(BaseSender):
         self.latency = latency
         self.record_file = Path(record_file) if record_file is not None else None
         self.calls: list[OutgoingMessage] = []
+        self._accepted: list[int] = []
         self._lock = threading.Lock()
 
     def send(self, message: OutgoingMessage) -> Outcome:
@@ -87,14 +91,27 @@ class FakeSender(BaseSender):
                 finally:
                     os.close(fd)
             script = self._script
-            if script is None and self._queue:
-                return self._queue.popleft()
+            outcome: Outcome | None = None
+            if script is None:
+                outcome = self._queue.popleft() if self._queue else None
         if script is not None:  # outside the lock: a script that blocks holds up only its send
-            return script(message)
-        return Accepted(provider_message_id=f"fake-{message.id}-{message.attempt}")
+            outcome = script(message)
+        if outcome is None:
+            outcome = Accepted(provider_message_id=f"fake-{message.id}-{message.attempt}")
+        if isinstance(outcome, Accepted):
+            with self._lock:
+                self._accepted.append(message.id)
+        return outcome
 
     @property
     def sent_ids(self) -> list[int]:
+        """The ids of the messages this sender accepted, in the order it accepted them."""
+        with self._lock:
+            return list(self._accepted)
+
+    @property
+    def called_ids(self) -> list[int]:
+        """The id of every call, accepted or not, in order."""
         with self._lock:
             return [m.id for m in self.calls]
 
@@ -144,9 +161,10 @@ def run_until_idle(
 ) -> FakeSender:
     """Run a relay in this process until nothing is due and nothing is in flight, and return
     its sender (a new accepting :class:`FakeSender` unless one is given), so a test can assert
-    ``sender.sent_ids`` or ``sender.calls``. ``settings`` are :class:`~relay.config.RelayConfig`
-    fields (``batch_size=``, ``concurrency=``, ...). ``engine`` is a sync engine; for an app on
-    ``AsyncEngine``, create one on the same database with a sync driver.
+    ``sender.sent_ids`` (accepted) or ``sender.called_ids`` (every call). ``settings`` are
+    :class:`~relay.config.RelayConfig` fields (``batch_size=``, ``concurrency=``, ...).
+    ``engine`` is a sync engine; for an app on ``AsyncEngine``, create one on the same
+    database with a sync driver.
 
     After ``timeout`` seconds the relay is stopped (it drains what is in flight) and
     :class:`RelayNotIdle` is raised, naming what was left and why. A test's session that holds

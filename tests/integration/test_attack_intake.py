@@ -129,7 +129,7 @@ def test_an_unordered_backlog_never_requeues_a_send_whose_event_is_still_queued(
         "send", provider_id="ses-attempt-1", message_id=mid, claim_token=token, mail_at=t0
     )
     late = apply_body(backend, sns_body(own), now=end + timedelta(seconds=6))
-    assert ([r.id for r in requeued], sender.sent_ids) == ([], [])
+    assert ([r.id for r in requeued], sender.called_ids) == ([], [])
     assert late is Effect.RESOLVED
 
 
@@ -219,7 +219,7 @@ def test_a_bounced_address_is_suppressed_whatever_a_lookalike_holds(backend: Bac
     relay = relay_for(backend, sender)
     with closing(relay):
         settle(relay)
-    assert sender.sent_ids == []
+    assert sender.called_ids == []
     assert (row(backend.engine, third).status, row(backend.engine, third).last_error_code) == (
         "failed",
         "suppressed",

@@ -266,7 +266,7 @@ def test_a_connection_that_goes_silent_mid_run_costs_a_reconnect_and_sends_nothi
                 )
         finally:
             engine.dispose()
-    sends = Counter(sender.sent_ids)
+    sends = Counter(sender.called_ids)
     assert sorted(sends) == sorted([*first, *second])
     assert set(sends.values()) == {1}
 
@@ -357,7 +357,7 @@ def test_a_register_whose_commit_the_relay_did_not_see_is_taken_as_its_own(
             assert (row.host, row.pid, row.state) == (socket.gethostname(), os.getpid(), "running")
     finally:
         engine.dispose()
-    assert sorted(sender.sent_ids) == sorted(ids)
+    assert sorted(sender.called_ids) == sorted(ids)
     with backend.engine.connect() as conn:
         state = conn.execute(
             sa.select(relays.c.state).where(relays.c.relay_id == "unseen-register")

@@ -88,7 +88,7 @@ def test_a_payload_python_cannot_decode_fails_alone_and_the_loop_goes_on(backend
         run.thread.join(10)
         pytest.fail("run() did not exit when idle")
     assert run.errors == []
-    assert sorted(sender.sent_ids) == [i for i in ids if i != poison]
+    assert sorted(sender.called_ids) == [i for i in ids if i != poison]
     r = row(backend.engine, poison)
     assert (r.status, r.last_error_code) == ("failed", "invalid_payload")
     assert [a.outcome for a in attempt_rows(backend.engine, poison)] == ["invalid_payload"]
@@ -130,7 +130,7 @@ def commit_unseen_once(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def assert_given_back_unsent(backend, ids: list[int], clock: Clock, sender: FakeSender) -> None:
-    assert not set(ids) & set(sender.sent_ids)
+    assert not set(ids) & set(sender.called_ids)
     # long after their lease would have run out, the sweep finds nothing of them
     swept = sweep_at(backend.engine, clock.now + timedelta(hours=1))
     state = statuses(backend.engine)
@@ -165,7 +165,7 @@ def test_claims_committed_unseen_are_given_back_unsent_by_the_drain(backend, mon
     later = FakeSender()
     with closing(relay_for(backend, later, clock.later(1), relay_id="later")) as next_relay:
         settle(next_relay)
-    assert sorted(later.sent_ids) == ids
+    assert sorted(later.called_ids) == ids
 
 
 def test_claims_committed_unseen_are_given_back_unsent_by_an_account_pause(backend, monkeypatch):
@@ -439,7 +439,7 @@ def test_exit_when_idle_exits_while_only_a_paused_scopes_messages_wait(backend):
     r = row(backend.engine, held)
     assert (r.status, r.attempt_count, r.claim_token) == ("pending", 0, None)
     assert r.next_attempt_at > enqueued_due
-    assert sorted(sender.sent_ids) == sorted([held, other])
+    assert sorted(sender.called_ids) == sorted([held, other])
 
 
 def test_exit_when_idle_exits_when_an_account_probe_finds_nothing_due(backend):

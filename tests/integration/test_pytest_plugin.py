@@ -16,7 +16,7 @@ from sqlalchemy.orm import sessionmaker
 from outbox import Email, Outbox, Status, migrations
 from outbox.schema import messages
 from outbox.testing import EnqueuedMessage, enqueued_messages
-from relay.senders import Disabled, Permanent
+from relay.senders import Disabled, Permanent, Transient
 from relay.testing import FakeSender, RelayNotIdle, run_until_idle
 from tests.support.db import User
 from tests.support.factories import enqueue
@@ -109,6 +109,41 @@ def test_a_host_app_test_written_from_the_docs_passes(pytester):
     result.assert_outcomes(passed=2)
 
 
+def test_each_test_starts_with_an_empty_outbox_before_its_own_fixtures_run(pytester):
+    """An earlier test's mail, left unsent, is neither seen nor sent by the next test; what
+    the test's own fixture committed before it is kept; ``outbox_keep`` keeps the rest."""
+    pytester.makepyfile(
+        app=APP,
+        conftest=CONFTEST,
+        test_isolation="""
+import pytest
+from app import sign_up
+
+@pytest.fixture
+def customer(Session):
+    return sign_up(Session, "fixture@example.com")
+
+def test_a_leaves_mail_unsent(Session, outbox_messages):
+    sign_up(Session, "left@example.com")
+    assert len(outbox_messages()) == 1
+
+def test_b_sends_only_its_own(customer, Session, outbox_relay):
+    sign_up(Session, "bob@example.com")
+    sender = outbox_relay()
+    assert sorted(c.email.to for c in sender.calls) == [
+        ("bob@example.com",), ("fixture@example.com",)
+    ]
+
+@pytest.mark.outbox_keep
+def test_c_keeps_what_is_there(Session, outbox_engine, outbox_relay):
+    from outbox.testing import enqueued_messages
+    assert len(enqueued_messages(outbox_engine)) == 2  # test b's, sent
+""",
+    )
+    result = pytester.runpytest_subprocess("-W", "error", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+
+
 def test_a_failing_expectation_fails_the_host_test(pytester):
     """The fixtures report what happened: a test expecting a second email fails."""
     pytester.makepyfile(
@@ -170,10 +205,22 @@ def test_run_until_idle_delivers_with_a_fake_sender_and_returns_it(backend):
         session.add_all([User(id=1, email="ada@example.com"), User(id=2, email="bob@example.com")])
 
     sender = run_until_idle(backend.engine, FakeSender([Permanent(code="MessageRejected")]))
-    statuses = {m.key: m.status for m in enqueued_messages(backend.engine)}
-    assert sorted(sender.sent_ids) == sorted(m.id for m in enqueued_messages(backend.engine))
-    assert sorted(statuses.values()) == [Status.FAILED, Status.SENT]
-    assert run_until_idle(backend.engine).sent_ids == []
+    rows = enqueued_messages(backend.engine)
+    assert sorted(sender.called_ids) == sorted(m.id for m in rows)
+    # sent_ids: only what was accepted; the refused message is a call, not a send
+    assert sender.sent_ids == [m.id for m in rows if m.status is Status.SENT]
+    assert sorted(m.status for m in rows) == [Status.FAILED, Status.SENT]
+    assert run_until_idle(backend.engine).called_ids == []
+
+
+def test_sent_ids_leaves_out_a_throttled_message_retried_later(backend):
+    """A throttled first call is in ``called_ids`` but not ``sent_ids`` until a later call is
+    accepted: ``assert sender.sent_ids == [message.id]`` proves a delivery, not an attempt."""
+    (mid,) = enqueue(backend.engine, 1, short=True)
+    throttled = FakeSender([Transient(code="Throttling")])
+    run_until_idle(backend.engine, throttled, timeout=10)
+    assert throttled.called_ids[0] == mid
+    assert throttled.sent_ids.count(mid) == len(throttled.called_ids) - 1
 
 
 def not_idle_error(engine, **settings):

@@ -476,7 +476,7 @@ def test_the_relays_sweep_requeues_and_the_next_claim_sends_it_once(backend):
     assert [(r["message_id"], r["category"], r["result"]) for r in reconciled] == [
         (mid, "receipts", "requeued")
     ]
-    assert sender.sent_ids == [mid]
+    assert sender.called_ids == [mid]
     assert row(backend.engine, mid).status == "sent"
     assert row(backend.engine, other).status == "unknown_outcome"
     assert outcomes(backend, mid) == ["ambiguous", "reconcile:requeued", "accepted"]

@@ -243,7 +243,7 @@ def test_a_send_thread_that_starts_too_late_gives_its_message_back_unsent(backen
     wait_for(settled, what="the message to be sent on time")
     relay.request_stop()
     relay.run()  # drains and deregisters at once
-    assert sender.sent_ids == [mid]  # once, on its second booking
+    assert sender.called_ids == [mid]  # once, on its second booking
     with backend.engine.connect() as conn:
         row = conn.execute(sa.select(messages)).one()
         tries = conn.execute(sa.select(attempts).order_by(attempts.c.id)).all()

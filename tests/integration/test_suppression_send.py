@@ -64,7 +64,7 @@ def test_a_message_to_suppressed_addresses_only_fails_and_is_never_sent(backend)
         backend, mail(to=["ann@example.com"], cc=["bob@example.com"]), mail(to=["carl@example.com"])
     )
     barred, other = ids
-    assert sender.sent_ids == [other]
+    assert sender.called_ids == [other]
     r = row(backend.engine, barred)
     assert (r.status, r.last_error_code, r.attempt_count, r.provider_message_id) == (
         "failed",
@@ -177,7 +177,7 @@ def test_one_lookup_screens_a_whole_wave(backend):
             settle(relay)
     finally:
         sa.event.remove(backend.engine, "before_cursor_execute", seen)
-    assert sorted(sender.sent_ids) == [i for i in ids if i != ids[3]]
+    assert sorted(sender.called_ids) == [i for i in ids if i != ids[3]]
     assert len(statements) == 1
 
 

@@ -25,7 +25,7 @@ def test_run_drains_the_backlog_and_exits_when_idle(backend):
     ids = enqueue(backend.engine, 30)
     sender = FakeSender()
     relay_for(backend, sender, exit_when_idle=True, concurrency=4, batch_size=7).run()
-    assert sorted(sender.sent_ids) == ids
+    assert sorted(sender.called_ids) == ids
     assert set(statuses(backend.engine).values()) == {Status.SENT}
     first = row(backend.engine, ids[0])
     assert first.provider_message_id == f"fake-{ids[0]}-1"
@@ -124,7 +124,7 @@ def test_poison_row_fails_and_the_rest_is_delivered(backend):
         )
     sender = FakeSender()
     relay_for(backend, sender, exit_when_idle=True).run()
-    assert sorted(sender.sent_ids) == [i for i in ids if i != ids[2]]
+    assert sorted(sender.called_ids) == [i for i in ids if i != ids[2]]
     r = row(backend.engine, ids[2])
     assert (r.status, r.last_error_code) == ("failed", "invalid_payload")
     assert "sender" in r.last_error_message
@@ -225,7 +225,7 @@ def test_drain_finishes_sends_in_flight_and_leaves_no_unknown_outcome(backend):
     assert "processing" not in state.values()
     assert "unknown_outcome" not in state.values()
     sent = [i for i, s in state.items() if s == "sent"]
-    assert sorted(sent) == sorted(sender.sent_ids)
+    assert sorted(sent) == sorted(sender.called_ids)
     assert 0 < len(sent) < len(ids)
     assert all(state[i] == "pending" for i in ids if i not in sent)
 
@@ -303,7 +303,7 @@ def test_relay_survives_its_connections_being_killed(server_backend):
     clock = Clock()
     clock.advance(3600)
     relay_for(backend, sender, clock, exit_when_idle=True, relay_id="after").run()
-    counts = collections.Counter(sender.sent_ids)
+    counts = collections.Counter(sender.called_ids)
     assert max(counts.values()) == 1, "a message was sent twice"
     state = statuses(backend.engine)
     for mid in ids:

@@ -346,7 +346,7 @@ def test_a_wall_clock_stepped_back_does_not_stop_the_sweep(backend):
         clock.advance(-3600)  # the step back; the dead relay's lease ran out long before
         time.sleep(1.1)
         settle(relay)
-    assert sender.sent_ids == [mid]
+    assert sender.called_ids == [mid]
     assert row(backend.engine, mid).status == "sent"
 
 
@@ -486,7 +486,7 @@ def test_a_payload_that_is_not_an_email_fails_alone(backend):
         )
     sender = FakeSender()
     relay_for(backend, sender, exit_when_idle=True).run()
-    assert sorted(sender.sent_ids) == [i for i in ids if i != poison]
+    assert sorted(sender.called_ids) == [i for i in ids if i != poison]
     r = row(backend.engine, poison)
     assert (r.status, r.last_error_code, r.attempt_count) == ("failed", "invalid_payload", 1)
     assert [a.outcome for a in attempt_rows(backend.engine, poison)] == ["invalid_payload"]

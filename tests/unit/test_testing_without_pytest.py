@@ -49,7 +49,7 @@ def test_outbox_testing_imports_and_reads_without_pytest(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "welcome:1 pending ada@example.com",
-        "['EnqueuedMessage', 'enqueued_messages']",
+        "['EnqueuedMessage', 'empty_outbox', 'enqueued_messages']",
         "False None",
     ]
 
