@@ -24,6 +24,33 @@
 -- attempts and events, so it runs with the owner's credentials, the same as `migrate`: a
 -- leaked relay, app or operator password can never erase the delivery history.
 
+-- Each name checked before anything is made: read once (backslashes kept as they are), then
+-- refused, naming its placeholder, if empty or holding what would end the quotes it is pasted
+-- in. Why: an unset variable is pasted as '' (''@'%' is the anonymous user) and a backtick in
+-- DB_NAME ends the identifier (GRANT ... ON *.*). A name that ends this first literal with a
+-- quote is still read as SQL: the names must be ones you chose.
+SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_BACKSLASH_ESCAPES';
+-- ^[^'`\\[:cntrl:]]+\z, its backslashes made by CHAR(): a quote in a name leaves the ones in
+-- the text outside a string, where the client reads them as its commands
+SET @outbox_pattern = CONCAT('^[^''`', CHAR(92, 92 USING ascii), '[:cntrl:]]+',
+    CHAR(92 USING ascii), 'z');
+SET @outbox_name = '${CLIENT_HOST}', @outbox_check = 'CLIENT_HOST';
+SET SESSION sql_mode = IF(@outbox_name REGEXP @outbox_pattern, @@SESSION.sql_mode,
+    'CLIENT_HOST refused: empty or holding a quote or backtick or backslash or control character');
+SET @outbox_name = '${RELAY_USER}', @outbox_check = 'RELAY_USER';
+SET SESSION sql_mode = IF(@outbox_name REGEXP @outbox_pattern, @@SESSION.sql_mode,
+    'RELAY_USER refused: empty or holding a quote or backtick or backslash or control character');
+SET @outbox_name = '${APP_USER}', @outbox_check = 'APP_USER';
+SET SESSION sql_mode = IF(@outbox_name REGEXP @outbox_pattern, @@SESSION.sql_mode,
+    'APP_USER refused: empty or holding a quote or backtick or backslash or control character');
+SET @outbox_name = '${OPERATOR_USER}', @outbox_check = 'OPERATOR_USER';
+SET SESSION sql_mode = IF(@outbox_name REGEXP @outbox_pattern, @@SESSION.sql_mode,
+    'OPERATOR_USER refused: empty or holding a quote or backtick or backslash or control character');
+SET @outbox_name = '${DB_NAME}', @outbox_check = 'DB_NAME';
+SET SESSION sql_mode = IF(@outbox_name REGEXP @outbox_pattern, @@SESSION.sql_mode,
+    'DB_NAME refused: empty or holding a quote or backtick or backslash or control character');
+SET @outbox_name = NULL, @outbox_check = NULL, @outbox_pattern = NULL;
+
 -- QUOTE() escapes with backslashes: they must mean escapes in this session
 SET SESSION sql_mode = 'STRICT_ALL_TABLES';
 SET @outbox_host = '${CLIENT_HOST}';
