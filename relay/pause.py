@@ -55,7 +55,8 @@ class Scope:
     def __str__(self) -> str:
         if self.kind is ScopeKind.ACCOUNT:
             return self.kind.value
-        return f"{self.kind}:{self.name}" + (f" via identity:{self.via}" if self.via else "")
+        name = self.name or ("(default)" if self.kind is ScopeKind.CONFIGURATION_SET else "")
+        return f"{self.kind}:{name}" + (f" via identity:{self.via}" if self.via else "")
 
     def holds(self, scopes: Collection[Scope]) -> bool:
         """Whether a message that belongs to ``scopes`` is one of this scope's."""
@@ -192,6 +193,13 @@ class Pauses:
         """True if ``scope`` is paused, no probe of it is out, and its probe time has come."""
         pause = self._pauses.get(scope)
         return pause is not None and not pause.probing and self._clock() >= pause.until
+
+    def overdue(self, scope: Scope) -> float:
+        """Seconds since ``scope``'s probe came due with no probe out (0 otherwise)."""
+        pause = self._pauses.get(scope)
+        if pause is None or pause.probing:
+            return 0.0
+        return max(0.0, self._clock() - pause.until)
 
     def admit(self, scopes: Iterable[Scope]) -> tuple[Admission, Scope | None]:
         """What to do with a message that belongs to ``scopes``; for a probe, the scope it

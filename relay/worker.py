@@ -139,14 +139,17 @@ def _is_outage(exc: sa.exc.DBAPIError) -> bool:
 
 def _scopes(email: Email) -> tuple[Scope, ...]:
     """The pausable scopes a message belongs to: the account, its configuration set (empty:
-    the sender's default), its From address and domain."""
+    the sender's default), its From address, its domain and the domains above it (a verified
+    domain identity covers its subdomains: SES may name ``example.com`` for
+    ``a@mail.example.com``)."""
     address = identity(email.sender)
-    domain = address.rpartition("@")[2]
+    labels = address.rpartition("@")[2].split(".")
+    domains = [".".join(labels[i:]) for i in range(max(1, len(labels) - 1))]
     return (
         ACCOUNT,
         Scope(ScopeKind.CONFIGURATION_SET, email.configuration_set or ""),
         Scope(ScopeKind.IDENTITY, address),
-        Scope(ScopeKind.IDENTITY, domain),
+        *(Scope(ScopeKind.IDENTITY, domain) for domain in domains),
     )
 
 
@@ -361,6 +364,11 @@ class Relay:
         limit, probe = self._claim_limit()
         if not (self._unsaved or limit > 0 or self._admissible()):
             return False
+        # scoped pauses long past their probe time: their held messages have been due a while
+        grace = max(1.0, 2 * self.config.poll_interval)
+        due_before = [
+            s for s in self.pauses.scopes if s != ACCOUNT and self.pauses.overdue(s) > grace
+        ]
         batch = list(self._unsaved)
         claims: list[store.Claim] = []
         expired: list[store.Expired] = []
@@ -428,8 +436,24 @@ class Relay:
             self._probe_found_nothing = not (claims or self._ready or wave)
             if self._probe_found_nothing:
                 self.pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
+        elif limit > 0 and len(claims) < limit:
+            self._retire_unprobed(due_before)
         self._start(wave, marked, now)
         return bool(batch or claims or expired or admitted)
+
+    def _retire_unprobed(self, due: list[Scope]) -> None:
+        """End the scoped pauses that were due a probe before a claim that took every due
+        message and found none of theirs (expired, cancelled, or a scope none of our mail
+        belongs to): nothing is held by them, and a pause nothing can probe would never end.
+        A later message of the scope that is still refused pauses it again."""
+        for scope in due:
+            if self.pauses.probe_due(scope):  # no message of it became the probe
+                self.pauses.probe_ended(scope, paused=False)
+                _log.warning(
+                    "no message of %s is due: its pause ends",
+                    scope,
+                    extra={"action": "resumed", "scope": str(scope)},
+                )
 
     def _save_alone(self, batch: list[_Done], now: datetime) -> None:
         """Save each finished send of ``batch`` in its own transaction, so one that cannot be
@@ -1208,7 +1232,7 @@ class Relay:
     def _wait(self) -> None:
         if self._ready or self.limiter.available() < 1:  # waiting for the rate limit only
             timeout = max(0.005, self.limiter.seconds_until_available())
-        elif (probe_in := self.pauses.next_probe_in()) is not None:
+        elif (probe_in := self.pauses.next_probe_in()) is not None and probe_in > 0:
             timeout = max(0.005, min(self.config.poll_interval, probe_in))
         else:
             timeout = self.config.poll_interval * self._rng.uniform(0.8, 1.2)

@@ -52,7 +52,7 @@ import botocore.exceptions as bex
 from botocore.config import Config
 
 from outbox.exceptions import ConfigurationError
-from relay.pause import ACCOUNT, Scope, ScopeKind, resource_scope, unverified_scope
+from relay.pause import ACCOUNT, Scope, ScopeKind, identity, resource_scope, unverified_scope
 from relay.senders import (
     Accepted,
     Ambiguous,
@@ -162,9 +162,21 @@ _NEVER_CONNECTED = frozenset(
 )
 
 
-def pause_scope(code: str, text: str, configuration_set: str | None, *, sender: str = "") -> Scope:
+def pause_scope(
+    code: str,
+    text: str,
+    configuration_set: str | None,
+    *,
+    sender: str = "",
+    relay_default: str | None = None,
+) -> Scope:
     """What a pausing SES answer stops, for a message from ``sender`` sent with
-    ``configuration_set`` (None: it named none). Pure.
+    ``configuration_set`` (None: it named none), by a relay whose ``--ses-configuration-set``
+    is ``relay_default``. Pure.
+
+    A message that named no set went out with the relay's default set (then every message
+    naming none shares its fate: the scope is the unnamed set) or with the From identity's
+    own default (then only that From's mail naming none does: :attr:`Scope.via`).
 
     ``ConfigurationSetSendingPausedException`` stops one configuration set; an access denial
     that names an identity (``...:identity/example.com``) or a configuration set resource
@@ -172,10 +184,17 @@ def pause_scope(code: str, text: str, configuration_set: str | None, *, sender: 
     :func:`relay.pause.resource_scope`: a set the message did not name is a default, reached
     through its From address); every other stop (the account paused or suspended,
     credentials refused, the daily quota) stops the account."""
+    unnamed = Scope(ScopeKind.CONFIGURATION_SET)
     if code == "ConfigurationSetSendingPausedException":
-        return Scope(ScopeKind.CONFIGURATION_SET, configuration_set or "")
+        if configuration_set is not None:
+            return Scope(ScopeKind.CONFIGURATION_SET, configuration_set)
+        if relay_default is not None or not sender:
+            return unnamed
+        return Scope(ScopeKind.CONFIGURATION_SET, via=identity(sender))
     if code in ("AccessDeniedException", "AccessDenied"):
         scope = resource_scope(text, sender=sender, configuration_set=configuration_set)
+        if scope is not None and scope.via and relay_default is not None:
+            return unnamed  # the relay's default set, which every message naming none uses
         if scope is not None:
             return scope
     return ACCOUNT
@@ -416,7 +435,11 @@ class SesSender(BaseSender):
             outcome = classify(exc, progress=progress.reached, sender=email.sender)
             if isinstance(outcome, Disabled) and outcome.pause and outcome.scope == ACCOUNT:
                 scope = pause_scope(
-                    outcome.code, outcome.message, email.configuration_set, sender=email.sender
+                    outcome.code,
+                    outcome.message,
+                    email.configuration_set,
+                    sender=email.sender,
+                    relay_default=self.configuration_set,
                 )
                 outcome = dataclasses.replace(outcome, scope=scope)
             return outcome

@@ -29,6 +29,7 @@ import io
 import logging
 import math
 import os
+import re
 import smtplib
 import socket
 import ssl
@@ -82,6 +83,11 @@ _AUTHENTICATION = frozenset({530, 534, 535, 538})
 # MAIL FROM refused for the address itself (not allowed, not owned, rejected); not 552 (the
 # message's size) nor 555 (a parameter of this transaction)
 _SENDER_NOT_ALLOWED = frozenset({550, 553, 554})
+# RFC 3463's enhanced status code at the start of a reply ("5.3.4 Message too big")
+_ENHANCED = re.compile(r"\s*[245]\.(\d{1,3})\.(\d{1,3})\b")
+# its subjects that blame the sending address: addressing (5.1.x: 5.1.7 bad sender syntax,
+# 5.1.8 bad sender's system) and security or policy (5.7.x: not authorized, not owned)
+_SENDER_SUBJECTS = frozenset({"1", "7"})
 
 
 # -- classification -------------------------------------------------------------------------
@@ -130,15 +136,24 @@ def classify(exc: BaseException, *, data_sent: bool, sender: str = "") -> Outcom
         scope = unverified_scope(reply, sender) or resource_scope(
             reply, sender=sender, configuration_set=None
         )
-        refused_from = isinstance(exc, smtplib.SMTPSenderRefused) and code in _SENDER_NOT_ALLOWED
+        refused_from = (
+            isinstance(exc, smtplib.SMTPSenderRefused)
+            and code in _SENDER_NOT_ALLOWED
+            and _blames_sender(reply)
+        )
         if scope is None and refused_from and sender:
             scope = Scope(ScopeKind.IDENTITY, identity(sender))
         if scope is not None and _is_permanent(code):
             return Disabled(code=f"smtp_{code}", message=text, pause=True, scope=scope)
         if _is_permanent(code):
             # MAIL FROM refused for a parameter or without a From to pause: every message
-            # will be; 552 there is this message's size (announced with SIZE=)
-            setup = isinstance(exc, smtplib.SMTPSenderRefused) and code != 552
+            # will be; 552 there, or an enhanced code on the message (5.2.x, 5.3.x, 5.6.x),
+            # is this message's own (its size, announced with SIZE=)
+            setup = (
+                isinstance(exc, smtplib.SMTPSenderRefused)
+                and code != 552
+                and not _blames_message(reply)
+            )
             return Permanent(code=f"smtp_{code}", message=text, config_error=setup)
         # not an error reply at all (garbled, or an unexpected 2xx/3xx)
         if data_sent:
@@ -159,6 +174,21 @@ def classify(exc: BaseException, *, data_sent: bool, sender: str = "") -> Outcom
     if data_sent:
         return Ambiguous(code="smtp_unexpected_error", message=text)
     return Transient(code="smtp_unexpected_error", message=text)
+
+
+def _blames_sender(reply: str) -> bool:
+    """Whether a refusal of ``MAIL FROM`` is about the address: without an enhanced status
+    code, yes (the reply code says so); with one, only for its addressing and policy subjects
+    (a 5.3.4 "message too big" or a 5.6.x content refusal is that message's alone)."""
+    found = _ENHANCED.match(reply)
+    return found is None or found.group(1) in _SENDER_SUBJECTS
+
+
+def _blames_message(reply: str) -> bool:
+    """An enhanced status code on the message itself: mailbox (5.2.x: too big for it), mail
+    system (5.3.x: 5.3.4 too big) or content (5.6.x)."""
+    found = _ENHANCED.match(reply)
+    return found is not None and found.group(1) in {"2", "3", "6"}
 
 
 def _is_reply(code: int) -> bool:

@@ -9,10 +9,12 @@ denied identity; the relay runs in this process on each database backend.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -287,3 +289,180 @@ def test_an_unverified_sender_holds_only_its_own_mail_until_it_works(
             ).scalars()
         )
     assert codes <= {"MessageRejected", None}
+
+
+# -- the second attack review (issue 27) -----------------------------------------------------
+
+
+class DefaultSetPlan(FaultPlan):
+    """Sending paused in the default configuration set of the identities in ``paused_defaults``:
+    SES refuses their mail that names no set (``ConfigurationSetSendingPausedException``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused_defaults: set[str] = set()
+
+    def scoped(self, request: dict[str, Any]) -> tuple[str, str] | None:
+        sender = identity(str(request.get("FromEmailAddress", "")))
+        if not request.get("ConfigurationSetName") and sender in self.paused_defaults:
+            return "config_set_paused", ""
+        return super().scoped(request)
+
+
+def relay_thread(backend, *, relay_id: str, pause: float, poll: float = 0.05) -> Relay:
+    config = RelayConfig(
+        database_url=backend.url,
+        sender="ses",
+        relay_id=relay_id,
+        poll_interval=poll,
+        send_timeout=5.0,
+        lease_seconds=15.0,
+        drain_seconds=5.0,
+        pause_seconds=pause,
+    )
+    sender = SesSender(build_client(send_timeout=5.0, concurrency=8))
+    return Relay(engine=backend.engine, sender=sender, config=config)
+
+
+@contextlib.contextmanager
+def running(relay: Relay):
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        relay.request_stop()
+        thread.join(15)
+    assert not thread.is_alive()
+
+
+def test_a_paused_default_set_of_one_sender_holds_only_that_senders_mail(
+    backend, moto, monkeypatch
+):
+    """promo@'s default configuration set is paused and no message names a set: promo@'s
+    mail is held (through its identity), shop@'s goes out at once, none of it waiting for the
+    pause (it held every message without a set before)."""
+    moto.verify("shop@example.com")
+    moto.verify("promo@example.com")
+    plan = DefaultSetPlan()
+    plan.paused_defaults.add("promo@example.com")
+    pause = 2.0
+    with FaultServer(moto.url, plan) as server:
+        for name, value in aws_env(server.url).items():
+            monkeypatch.setenv(name, value)
+        promo = [email(n, short=True, sender="promo@example.com") for n in range(2)]
+        ids = enqueue(backend.engine, promo + [email(n, short=True) for n in range(2, 22)])
+        promo_ids, shop_ids = ids[:2], ids[2:]
+        relay = relay_thread(backend, relay_id="default-set", pause=pause)
+        with running(relay):
+            wait_for(
+                lambda: all(message_rows(backend.engine)[i].status == "sent" for i in shop_ids),
+                timeout=20,
+            )
+            assert relay.pauses.scopes == [
+                Scope(ScopeKind.CONFIGURATION_SET, via="promo@example.com")
+            ]
+        got = message_rows(backend.engine)
+        assert all((got[i].status, got[i].attempt_count) == ("pending", 0) for i in promo_ids)
+        first_refusal = min(s.at for s in server.sends if s.outbox_id in promo_ids)
+        last_shop = max(s.at for s in server.sends if s.outbox_id in shop_ids)
+        assert last_shop < first_refusal + pause / 2, "shop@'s mail waited for promo@'s pause"
+        assert all(requests_per_message(server)[i] == 1 for i in shop_ids)
+
+
+class ParentDomainPlan(FaultPlan):
+    """SES denies the domain identity example.com, and names it, for mail from its
+    subdomains."""
+
+    def scoped(self, request: dict[str, Any]) -> tuple[str, str] | None:
+        sender = identity(str(request.get("FromEmailAddress", "")))
+        if sender.endswith("@mail.example.com"):
+            return "identity_denied", "example.com"
+        return super().scoped(request)
+
+
+def test_a_pause_with_nothing_left_to_probe_ends_and_the_loop_keeps_its_pace(
+    backend, moto, monkeypatch
+):
+    """SES names example.com for a@mail.example.com: the pause holds that mail (the parent
+    domain is one of its scopes, so it is not re-sent each period). Once the mail expired
+    there is nothing to probe with: the pause ends, and meanwhile the loop waits its poll
+    interval (it spun every 5 ms, ~170 transactions a second)."""
+    moto.verify("shop@example.com")
+    with FaultServer(moto.url, ParentDomainPlan()) as server:
+        for name, value in aws_env(server.url).items():
+            monkeypatch.setenv(name, value)
+        expires = datetime.now(UTC) + timedelta(seconds=2.5)
+        ids = enqueue(
+            backend.engine, 3, short=True, sender="a@mail.example.com", expires_at=expires
+        )
+        transactions = Counter[str]()
+
+        def count(conn: sa.Connection) -> None:
+            transactions.update(["begin"])
+
+        sa.event.listen(backend.engine, "begin", count)
+        relay = relay_thread(backend, relay_id="orphan-pause", pause=0.6, poll=0.25)
+        reader = sa.create_engine(backend.url)  # the test's reads are not the relay's
+        began = time.monotonic()
+        with running(relay):
+            wait_for(lambda: bool(relay.pauses.scopes), timeout=10)
+            assert relay.pauses.scopes == [Scope(ScopeKind.IDENTITY, "example.com")]
+            wait_for(
+                lambda: all(message_rows(reader)[i].status == "expired" for i in ids),
+                timeout=15,
+            )
+            wait_for(lambda: not relay.pauses.scopes, timeout=10)
+            time.sleep(1.0)
+        took = time.monotonic() - began
+        sa.event.remove(backend.engine, "begin", count)
+        reader.dispose()
+    # held after the first refusal: one request, then one probe per pause period at most
+    assert sum(requests_per_message(server)[i] for i in ids) <= 1 + took / 0.6
+    assert transactions["begin"] < 25 * took, (transactions, took)
+
+
+@pytest.mark.parametrize(
+    ("code", "configuration_set", "relay_default", "scope"),
+    [
+        # the From identity's own default set: only that From's mail naming no set
+        (
+            "ConfigurationSetSendingPausedException",
+            None,
+            None,
+            Scope(ScopeKind.CONFIGURATION_SET, via="promo@example.com"),
+        ),
+        # the relay's --ses-configuration-set: every message naming no set goes through it
+        (
+            "ConfigurationSetSendingPausedException",
+            None,
+            "relay-set",
+            Scope(ScopeKind.CONFIGURATION_SET),
+        ),
+        (
+            "AccessDenied",
+            None,
+            "relay-set",
+            Scope(ScopeKind.CONFIGURATION_SET),
+        ),
+        (
+            "ConfigurationSetSendingPausedException",
+            "marketing",
+            "relay-set",
+            Scope(ScopeKind.CONFIGURATION_SET, "marketing"),
+        ),
+    ],
+)
+def test_a_paused_set_a_message_did_not_name_is_the_default_it_went_through(
+    code, configuration_set, relay_default, scope
+):
+    text = "on resource `arn:aws:ses:eu-west-1:1:configuration-set/relay-set'"
+    found = pause_scope(
+        code,
+        text,
+        configuration_set,
+        sender="Promo <promo@example.com>",
+        relay_default=relay_default,
+    )
+    assert found == scope
+    assert str(Scope(ScopeKind.CONFIGURATION_SET)) == "configuration_set:(default)"

@@ -137,6 +137,27 @@ def test_disabled_outcomes_pause_the_relay():
         assert outcome.pause is True
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"5.3.4 Message size exceeds fixed maximum message size",  # aiosmtpd, Postfix
+        b"5.2.3 Message length exceeds administrative limit",
+        b"5.6.0 Content rejected",
+    ],
+)
+def test_a_mail_from_refusal_whose_enhanced_code_blames_the_message_fails_only_it(reply):
+    """A 550/554 to MAIL FROM with an enhanced status code about the message (its size, its
+    content) is that message's permanent failure: pausing its sender would hold the sender's
+    other mail, and the message itself, as the probe, would pause it again for ever."""
+    for code in (550, 554):
+        outcome = classify(
+            smtplib.SMTPSenderRefused(code, reply, A), data_sent=False, sender="shop@example.com"
+        )
+        assert isinstance(outcome, Permanent), outcome
+        assert outcome.code == f"smtp_{code}"
+        assert not outcome.config_error
+
+
 def test_a_refused_sender_is_a_config_error_a_refused_recipient_is_not():
     sender = classify(smtplib.SMTPSenderRefused(550, b"relay denied", A), data_sent=False)
     too_big = classify(smtplib.SMTPSenderRefused(552, b"size exceeds limit", A), data_sent=False)
