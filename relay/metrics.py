@@ -1,5 +1,9 @@
 """Prometheus metrics of one relay, on a registry of its own.
 
+The reference, with what each metric means and the queries to alert on, is
+``docs/metrics.md`` (a test keeps it to exactly what a relay and its intake expose); the
+tables below are its summary.
+
 :class:`RelayMetrics` counts what the relay's signals report (connected with ``sender=relay``,
 so several relays in one process never mix their numbers) and reads the relay's state when
 scraped. The lag comes from the ``outbox_lag`` view, read on a short connection of the relay's
@@ -29,7 +33,10 @@ name                                type      labels               what
                                                                    set or identity (only its mail
                                                                    is held); absent when none is
 ``outbox_lag_seconds``              gauge     category             age of the oldest due message
-                                                                   (0 once none is due)
+                                                                   (0 while none is due: the
+                                                                   built-in categories and those
+                                                                   given from the first scrape,
+                                                                   others once seen due)
 ``outbox_due_messages``             gauge     category             messages due now
 ``outbox_lag_refresh_errors_total`` counter                        failed reads of ``outbox_lag``
                                                                    (the lag series are left out
@@ -106,12 +113,17 @@ from relay.pause import ScopeKind
 from relay.worker import Relay
 
 __all__ = [
+    "BUILT_IN_CATEGORIES",
     "CLAIM_BUCKETS",
     "FUTURE_TOLERANCE_SECONDS",
     "SEND_BUCKETS",
     "IntakeMetrics",
     "RelayMetrics",
 ]
+
+# every Outbox has these two categories (outbox.category.DEFAULT_CATEGORIES; the relay does
+# not import the app side): their lag series exist from the first scrape
+BUILT_IN_CATEGORIES = frozenset({"default", "transactional"})
 
 _log = logging.getLogger("relay.metrics")
 
@@ -151,10 +163,20 @@ class RelayMetrics:
     Create it before ``relay.run()`` so nothing goes uncounted; :meth:`close` disconnects it.
     With ``intake`` (the event intake running in the same process) its metrics are on the
     same registry (:class:`IntakeMetrics`).
+
+    The lag and due gauges have a sample of 0 for each category with nothing due that is
+    built in (``default``, ``transactional``: every ``Outbox`` has them), named in
+    ``categories`` (an app's ``Outbox.categories``), or was seen due since: a rule or a panel
+    on them has a series from the first scrape, and ``absent()`` says the lag cannot be read.
     """
 
     def __init__(
-        self, relay: Relay, *, lag_interval: float = 5.0, intake: Intake | None = None
+        self,
+        relay: Relay,
+        *,
+        lag_interval: float = 5.0,
+        intake: Intake | None = None,
+        categories: Iterable[str] = (),
     ) -> None:
         self.relay = relay
         self.lag_interval = lag_interval
@@ -194,7 +216,8 @@ class RelayMetrics:
         self._lag_lock = threading.Lock()
         self._lag: dict[str, _Due] | None = None  # None: never read, or the last read failed
         self._lag_read_at = -float("inf")
-        self._categories: set[str] = set()  # seen due once: reported as 0 while none is due
+        # reported as 0 while none is due; replaced, never changed, as scrapes read it meanwhile
+        self._categories = BUILT_IN_CATEGORIES | frozenset(categories)
         self._receivers: list[tuple[NamedSignal, _Receiver]] = []
         for outcome, signal in _OUTCOME_SIGNALS.items():
             self._connect(signal, self._counter(outcome))
@@ -258,7 +281,7 @@ class RelayMetrics:
         finally:
             self._lag_read_at = time.monotonic()
         due = {str(r.category): _Due(float(r.due_count), float(r.lag_seconds)) for r in rows}
-        self._categories |= due.keys()
+        self._categories = self._categories | frozenset(due)
         self._lag = due
 
     def lag(self) -> dict[str, tuple[float, float]] | None:

@@ -84,6 +84,7 @@ EXPORTS = {
     "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine", "masked_url"],
     "relay.http": ["Server", "start_http_server"],
     "relay.metrics": [
+        "BUILT_IN_CATEGORIES",
         "CLAIM_BUCKETS",
         "FUTURE_TOLERANCE_SECONDS",
         "SEND_BUCKETS",
