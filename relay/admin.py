@@ -29,7 +29,7 @@ import click
 import sqlalchemy as sa
 
 from outbox.exceptions import InvalidEmail
-from outbox.message import validate_address
+from outbox.message import Email, validate_address
 from outbox.schema import (
     TERMINAL,
     AttemptOutcome,
@@ -474,9 +474,19 @@ def list_(database_url: str, limit: int, after_id: int | None, as_json: bool, **
 @database_url
 @click.argument("message_id", type=int)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def show(database_url: str, message_id: int, as_json: bool) -> None:
+@click.option(
+    "--body",
+    type=click.Choice(["text", "raw"]),
+    is_flag=False,
+    flag_value="text",
+    default=None,
+    help="Also show the email, which holds personal data (a note on stderr says so): its "
+    "headers and text, its html and attachments listed with their sizes; `--body raw`: the "
+    "whole MIME message.",
+)
+def show(database_url: str, message_id: int, as_json: bool, body: str | None) -> None:
     """One message, every attempt made for it, the provider events matched to it and what
-    operators did to it (bodies are not shown)."""
+    operators did to it (its body only with --body)."""
     with _database(database_url) as engine, engine.connect() as conn:
         row, history = store.get_message(conn, message_id)
         seen = _events_of(conn, message_id) if row is not None else []
@@ -488,17 +498,19 @@ def show(database_url: str, message_id: int, as_json: bool) -> None:
     message["attachments"] = [a.get("filename") for a in payload.get("attachments", [])]
     message["template"] = payload.get("template")
     attempts = [dict(a._mapping) for a in history]
+    content = None if body is None else _body(payload, raw=body == "raw")
+    if body is not None:  # bodies are personal data: say on stderr that one is shown
+        click.echo(f"Note: showing the body of message {message_id} (personal data)", err=True)
     if as_json:
-        click.echo(
-            _json(
-                {
-                    "message": message,
-                    "attempts": attempts,
-                    "events": seen,
-                    "operator_actions": done,
-                }
-            )
-        )
+        report: dict[str, Any] = {
+            "message": message,
+            "attempts": attempts,
+            "events": seen,
+            "operator_actions": done,
+        }
+        if content is not None:
+            report["body"] = content
+        click.echo(_json(report))
         return
     if message["status"] == Status.SENT.value and message["delivery_status"] is None:
         message["delivery_status"] = "(no provider event recorded)"
@@ -534,6 +546,94 @@ def show(database_url: str, message_id: int, as_json: bool) -> None:
     click.echo(f"\noperator actions ({len(done)})")
     if done:
         click.echo(_table(done, ["at", "actor", "action", "reason", "detail"]))
+    if content is not None:
+        _echo_body(content)
+
+
+def _body(payload: Any, *, raw: bool) -> dict[str, Any]:
+    """What ``show --body`` shows of a stored email: its headers (``Bcc`` too), text, html,
+    attachments (their sizes, not their content) and template; with ``raw`` the whole MIME
+    message as the library renders it (a sender adds ``Date``, ``Message-ID`` and the outbox
+    id header when it sends). A payload that is no email, or a template email asked for raw,
+    gives ``{"error": ...}``."""
+    try:
+        email = Email.from_payload(payload)
+    except Exception as exc:  # any row the relay fails as invalid_payload
+        return {"error": f"the payload is not a valid email ({exc})"}
+    if raw:
+        if email.template is not None:
+            return {
+                "error": "a template email is rendered by SES: no MIME to show (--body "
+                "shows its template data)"
+            }
+        mime = email.to_mime()
+        return {"raw": mime.as_string(policy=mime.policy.clone(linesep="\n"))}
+    headers = {"From": email.sender}
+    for name, addresses in (
+        ("To", email.to),
+        ("Cc", email.cc),
+        ("Bcc", email.bcc),
+        ("Reply-To", email.reply_to),
+    ):
+        if addresses:
+            headers[name] = ", ".join(addresses)
+    if email.subject is not None:
+        headers["Subject"] = email.subject
+    headers.update(email.headers)
+    return {
+        "headers": headers,
+        "text": email.text,
+        "html": email.html,
+        "attachments": [
+            {
+                "filename": a.filename,
+                "content_type": a.content_type,
+                "disposition": a.disposition,
+                "content_id": a.content_id,
+                "size": len(a.content),
+            }
+            for a in email.attachments
+        ],
+        "template": email.template,
+        "template_data": None if email.template_data is None else dict(email.template_data),
+    }
+
+
+def _echo_body(content: dict[str, Any]) -> None:
+    """The text output of ``show --body``: the html and attachments by size only (``--json``
+    has the html); control characters escaped, as in :func:`_text`, but for line ends."""
+
+    def shown(text: str) -> str:
+        return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+    if "error" in content:
+        click.echo(f"\nbody: {content['error']}")
+        return
+    if "raw" in content:
+        click.echo("\nbody (MIME)")
+        click.echo(shown(content["raw"]))
+        return
+    click.echo("\nbody")
+    width = max(len(name) for name in content["headers"])
+    for name, value in content["headers"].items():
+        click.echo(f"{name.ljust(width)}  {_text(value)}")
+    if content["template"] is not None:
+        click.echo(f"\ntemplate  {_text(content['template'])}")
+        click.echo(f"data      {_text(content['template_data'])}")
+    for part in ("text", "html"):
+        value = content[part]
+        if value is None:
+            continue
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if part == "text":
+            text = shown(value).removesuffix("\n")  # echo ends the last line
+            click.echo(f"\ntext ({size:,} bytes)\n{text}")
+        else:
+            click.echo(f"\nhtml ({size:,} bytes; --json or --body raw shows it)")
+    if content["attachments"]:
+        click.echo(f"\nattachments ({len(content['attachments'])})")
+        columns = ["filename", "content_type", "disposition", "content_id", "size"]
+        click.echo(_table(content["attachments"], columns))
 
 
 def _events_of(conn: sa.Connection, message_id: int) -> list[dict[str, Any]]:

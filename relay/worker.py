@@ -1061,11 +1061,12 @@ class Relay:
                 "database": masked_url(self.engine.url),
             },
         )
-        if self.sender.name == "console":
+        if getattr(self.sender, "delivers", True) is False:  # console, file: BaseSender.delivers
             _log.warning(
-                "the console sender delivers nothing: each message is printed (recipients "
-                "masked) and marked sent; use --sender ses or smtp to deliver",
-                extra={"action": "console_sender"},
+                "the %s sender delivers nothing: each message is marked sent but none leaves "
+                "this machine; use --sender ses or smtp to deliver",
+                self.sender.name,
+                extra={"action": f"{self.sender.name}_sender"},
             )
 
     def _holds_row(self, conn: sa.Connection, now: datetime) -> bool:

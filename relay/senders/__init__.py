@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from outbox.message import Email
 from relay.pause import ACCOUNT, Scope
@@ -143,6 +143,10 @@ class BaseSender(abc.ABC):
     needed (``name = "mine"`` as a class attribute)."""
 
     __slots__ = ()
+
+    # False for a development sender that only records each message (console, file): the
+    # relay then warns at start that nothing is delivered
+    delivers: ClassVar[bool] = True
 
     @property
     def name(self) -> str:
