@@ -15,6 +15,12 @@ Two ways to create the outbox schema:
   :func:`process_revision_directives` (the app's new revisions go to the app's own directory
   and branch, never onto the outbox branch) to ``context.configure``.
 
+* **On the app's own branch** (for deploy scripts that say ``alembic upgrade head`` and
+  ``downgrade -1``): :func:`write_app_revision` (``outbox-relay alembic-revision``) writes a
+  revision of the app's own, on its head, that applies the outbox revisions its history does
+  not hold yet (:func:`run_outbox_revisions`); after upgrading sqlalchemy-outbox, run it again.
+  Only :func:`include_object` goes into ``env.py``; ``version_locations`` stays the app's.
+
 The migrations are the package directory ``outbox/_migrations`` in the source tree, so every
 install (editable, wheel, sdist) has them at the same place. Pick one way per database: both
 record what they applied, in different tables.
@@ -22,17 +28,17 @@ record what they applied, in different tables.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.operations.ops import MigrationScript
 from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util import coerce_resource_to_filename
+from alembic.script import Script, ScriptDirectory
+from alembic.util import CommandError, coerce_resource_to_filename, rev_id
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox.schema import metadata
@@ -47,8 +53,11 @@ __all__ = [
     "include_object",
     "migrations_dir",
     "process_revision_directives",
+    "run_outbox_revisions",
+    "shipped_revisions",
     "upgrade",
     "versions_dir",
+    "write_app_revision",
 ]
 
 BRANCH = "outbox"
@@ -177,6 +186,82 @@ def process_revision_directives(
                 directive.branch_label = _APP_BRANCH
             if directive.version_path is None and len(app_locations) == 1:
                 directive.version_path = app_locations[0].as_posix()
+
+
+def shipped_revisions() -> list[str]:
+    """The outbox revisions this release ships, oldest first."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return [rev.revision for rev in reversed(list(script.walk_revisions()))]
+
+
+def run_outbox_revisions(
+    revisions: Sequence[str], direction: Literal["upgrade", "downgrade"]
+) -> None:
+    """Run the outbox revisions' own ``upgrade`` (in order) or ``downgrade`` (in reverse)
+    inside the migration alembic is running now: a revision of the app's that carries them
+    (:func:`write_app_revision`) calls this from its ``upgrade`` and ``downgrade``."""
+    script = ScriptDirectory.from_config(alembic_config())
+    ordered = list(revisions) if direction == "upgrade" else list(reversed(revisions))
+    for revision in ordered:
+        found = script.get_revision(revision)
+        if found is None:  # pragma: no cover - get_revision raises for an unknown id
+            raise CommandError(f"no outbox revision {revision!r} in this release")
+        getattr(found.module, direction)()
+
+
+_CARRIES = "outbox_revisions"  # what a revision of the app's written here says it applies
+
+
+def write_app_revision(config: Config, message: str = "outbox schema") -> Script | None:
+    """Write, on the head of the app's alembic history (``config``: its ``alembic.ini``), a
+    revision that applies the outbox revisions the history does not carry yet; None when it
+    carries them all. The app keeps one branch: ``alembic upgrade head`` and ``downgrade -1``
+    mean what they always did. Refused (``CommandError``) for a history that lists the outbox's
+    versions directory (the branch way: use ``heads`` there), has several heads, or carries an
+    outbox revision this release does not ship (an older sqlalchemy-outbox is installed)."""
+    script = ScriptDirectory.from_config(config)
+    ours = versions_dir()
+    locations = [coerce_resource_to_filename(loc).resolve() for loc in script.version_locations]
+    if ours in locations:
+        raise CommandError(
+            "this alembic history lists the outbox's versions directory in version_locations "
+            "(the outbox as a branch of its own): keep using `alembic upgrade heads`, or remove "
+            "it from version_locations before carrying the outbox on your branch"
+        )
+    carried: list[str] = []
+    for revision in script.walk_revisions():
+        carried += getattr(revision.module, _CARRIES, ())
+    shipped = shipped_revisions()
+    unknown = sorted(set(carried) - set(shipped))
+    if unknown:
+        raise CommandError(
+            f"your history carries outbox revision(s) {', '.join(unknown)} that this "
+            "sqlalchemy-outbox does not ship: install the release that wrote them, or newer"
+        )
+    missing = [r for r in shipped if r not in carried]
+    if not missing:
+        return None
+    names = repr(tuple(missing))
+    written = script.generate_revision(
+        rev_id(),
+        message,
+        head="head",
+        imports=(
+            "from outbox.migrations import run_outbox_revisions\n\n"
+            "# the sqlalchemy-outbox revisions this one applies (outbox-relay alembic-revision)\n"
+            f"{_CARRIES} = {names}"
+        ),
+        upgrades=f'run_outbox_revisions({_CARRIES}, "upgrade")',
+        downgrades=f'run_outbox_revisions({_CARRIES}, "downgrade")',
+    )
+    if written is None or _CARRIES not in Path(written.path).read_text():
+        if written is not None:
+            Path(written.path).unlink()
+        raise CommandError(
+            "your script.py.mako has no ${imports}, ${upgrades} or ${downgrades}: the outbox "
+            "revision could not be written into it"
+        )
+    return written
 
 
 def _applied(conn: sa.Connection) -> set[str]:

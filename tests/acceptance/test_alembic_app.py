@@ -512,3 +512,122 @@ def test_offline_upgrade_of_the_readme_set_up_writes_the_outbox_ddl(tmp_path, sh
     output = project.alembic("upgrade", "heads", "--sql")
     assert "CREATE TABLE outbox_messages" in output
     assert "INSERT INTO alembic_version (version_num) VALUES ('outbox_0001')" in output
+
+
+# -- the outbox on the app's own branch (outbox-relay alembic-revision) ---------------------
+
+
+def outbox_relay(project: Project, *args: str) -> subprocess.CompletedProcess[str]:
+    """``outbox-relay`` run in the project's directory, with the project's PYTHONPATH."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    if project.pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [project.pythonpath, env.get("PYTHONPATH")])
+        )
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("outbox-relay")), *args],
+        cwd=project.root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def configure_single_branch(project: Project) -> None:
+    """alembic init's project with the app's url and models, and only include_object added."""
+    ini = project.root / "alembic.ini"
+    lines = set_option(
+        ini.read_text().splitlines(), "sqlalchemy.url", [f"sqlalchemy.url = {project.url_for_ini}"]
+    )
+    ini.write_text("\n".join(lines) + "\n")
+    env_py = project.root / "alembic" / "env.py"
+    source = env_py.read_text().replace(
+        "target_metadata = None", "from shop.models import Base\ntarget_metadata = Base.metadata"
+    )
+    source = source.replace(
+        "from alembic import context\n",
+        "from alembic import context\nfrom outbox.migrations import include_object\n",
+    )
+    source = re.sub(
+        r"context\.configure\(\n(\s+)",
+        lambda m: f"context.configure(\n{m[1]}include_object=include_object,\n{m[1]}",
+        source,
+    )
+    env_py.write_text(source)
+
+
+def test_the_outbox_on_the_apps_own_branch_upgrades_with_head_and_steps_back_with_minus_one(
+    app_url, tmp_path, older_release, shipped_revisions
+):
+    """For deploy scripts that say `alembic upgrade head`: the outbox's revisions carried by
+    revisions of the app's own, one branch, through an outbox upgrade and a `downgrade -1`."""
+    project = Project(tmp_path / "app", app_url)
+    configure_single_branch(project)
+
+    # On the older release: one app revision carrying outbox_0001, on base.
+    project.pythonpath = str(older_release)
+    done = outbox_relay(project, "alembic-revision")
+    assert done.returncode == 0, done.stderr
+    (carrier,) = project.new_revisions(set())
+    assert "outbox_revisions = ('outbox_0001',)" in carrier.read_text()
+    assert "(revision " in done.stdout
+    assert "outbox_0001" in done.stdout
+    project.alembic("upgrade", "head")
+    project.alembic("revision", "--autogenerate", "-m", "orders")
+    (orders,) = project.new_revisions({carrier})
+    assert "outbox" not in orders.read_text()  # include_object: the outbox is not the app's
+    project.alembic("upgrade", "head")
+    tables, views, versions = schema(app_url)
+    assert tables >= TABLES_0001 | {"shop_orders"}
+    assert not tables & (TABLES_0002 | TABLES_0003)
+    assert views >= VIEWS_0001
+    assert versions == {orders.name.split("_")[0]}, "one branch: one row"
+
+    # pip install -U: the same command carries the new outbox revisions on the app's head.
+    project.pythonpath = None
+    done = outbox_relay(project, "alembic-revision", "-m", "outbox 0.2")
+    assert done.returncode == 0, done.stderr
+    (newer,) = project.new_revisions({carrier, orders})
+    text = newer.read_text()
+    assert "outbox_revisions = ('outbox_0002', 'outbox_0003')" in text
+    assert f"= '{orders.name.split('_')[0]}'" in text  # on the app's head
+    again = outbox_relay(project, "alembic-revision")
+    assert again.returncode == 0, again.stderr
+    assert "carries every outbox revision" in again.stdout
+    assert project.new_revisions({carrier, orders, newer}) == []
+    project.alembic("upgrade", "head")
+    tables, views, _ = schema(app_url)
+    assert tables >= TABLES_0001 | TABLES_0002 | TABLES_0003
+    assert views >= migrations.VIEWS
+    assert "No new upgrade operations detected" in project.alembic("check")
+
+    # downgrade -1 undoes exactly the newest revision: the outbox's 0002 and 0003
+    project.alembic("downgrade", "-1")
+    tables, _, versions = schema(app_url)
+    assert tables >= TABLES_0001 | {"shop_orders"}
+    assert not tables & (TABLES_0002 | TABLES_0003)
+    assert versions == {orders.name.split("_")[0]}
+    project.alembic("upgrade", "head")
+    assert schema(app_url)[0] >= TABLES_0003
+
+
+def test_alembic_revision_refuses_a_history_that_carries_the_outbox_as_a_branch(tmp_path):
+    project = Project(tmp_path / "app", f"sqlite:///{tmp_path / 'app.db'}")
+    project.configure_as_the_readme_says()
+    done = outbox_relay(project, "alembic-revision")
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "lists the outbox's versions directory" in line
+    assert "alembic upgrade heads" in line
+    # and what the branch way's `upgrade head` says once the app has a revision of its own,
+    # which the README quotes
+    project.alembic("revision", "-m", "first")
+    failed = subprocess.run(
+        [ALEMBIC, "upgrade", "head"], cwd=project.root, capture_output=True, text=True, check=False
+    )
+    assert failed.returncode != 0
+    assert "Multiple head revisions are present" in failed.stderr
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "Multiple head revisions are present for given argument 'head'" in readme
