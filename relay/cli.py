@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 
@@ -20,9 +21,11 @@ from alembic.util import CommandError
 from outbox import migrations
 from outbox.exceptions import ConfigurationError
 from relay import admin, logs
+from relay import doctor as preflight
 from relay.cli_options import (
     StartupError,
     check_connection,
+    check_file_exists,
     database_url,
     first_line,
     open_database,
@@ -38,11 +41,21 @@ from relay.intake import Intake, check_topic_arn
 from relay.metrics import IntakeMetrics, RelayMetrics
 from relay.senders import Sender, as_sender
 from relay.senders.console import ConsoleSender
+from relay.senders.file import FileSender
 from relay.senders.smtp import DEFAULT_SECURITY, SECURITY_MODES, SmtpSender, SmtpSettings
 from relay.wakeup import Listener
 from relay.worker import Relay
 
-__all__ = ["build_sender", "events", "main", "migrate", "run"]
+__all__ = [
+    "alembic_revision",
+    "build_sender",
+    "doctor",
+    "events",
+    "main",
+    "migrate",
+    "run",
+    "send_test",
+]
 
 
 class _Commands(click.Group):
@@ -121,6 +134,39 @@ def migrate(database_url: str, revision: str) -> None:
     click.echo(f"outbox schema {state} on {where} (revision {', '.join(sorted(applied))})")
 
 
+@main.command(name="alembic-revision")
+@click.option(
+    "--config",
+    "-c",
+    "config_file",
+    default="alembic.ini",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Your app's alembic.ini.",
+)
+@click.option(
+    "--message", "-m", default="outbox schema", show_default=True, help="The revision's message."
+)
+def alembic_revision(config_file: str, message: str) -> None:
+    """Carry the outbox schema on your app's own alembic branch: write a revision on your head
+    that applies the outbox revisions your history does not hold yet (run it again after
+    upgrading sqlalchemy-outbox). `alembic upgrade head` and `downgrade -1` then work as
+    before; put outbox.migrations.include_object in your env.py."""
+    from alembic.config import Config
+
+    if not Path(config_file).is_file():
+        raise StartupError(f"--config: {config_file}: no such file (your app's alembic.ini)")
+    try:
+        written = migrations.write_app_revision(Config(config_file), message)
+    except CommandError as exc:
+        raise click.ClickException(first_line(exc)) from None
+    if written is None:
+        click.echo("your alembic history carries every outbox revision of this release")
+        return
+    carried = ", ".join(written.module.outbox_revisions)
+    click.echo(f"wrote {written.path} (revision {written.revision}: {carried})")
+
+
 def _revisions() -> list[str]:
     """The revision ids shipped with this release, oldest first."""
     from alembic.script import ScriptDirectory
@@ -147,12 +193,21 @@ _INTAKE_JOIN_SECONDS = 15.0  # past its long poll, how long a stopping intake ma
 
 
 def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sender:
-    """``ses``, ``smtp``, ``console``, or ``package.module:factory`` for a sender of your own
-    (called with no arguments; configure it from the environment). What the factory returns
+    """``ses``, ``smtp``, ``console``, ``file`` (with ``--mail-dir``), or
+    ``package.module:factory`` for a sender of your own (called with no arguments; configure
+    it from the environment). What the factory returns
     needs only ``send``: the members it lacks get :class:`~relay.senders.BaseSender`'s
     defaults (:func:`~relay.senders.as_sender`)."""
     if spec == "console":
         return ConsoleSender()
+    if spec == "file":
+        if not options.get("mail_dir"):
+            raise ConfigurationError(
+                "--mail-dir",
+                "is required with --sender file (or OUTBOX_MAIL_DIR): the folder each message "
+                "is written to as an .eml file",
+            )
+        return FileSender(options["mail_dir"])  # a folder it cannot write: names --mail-dir
     if spec == "ses":
         try:
             from relay.senders.ses import SesSender, build_client
@@ -167,7 +222,7 @@ def build_sender(spec: str, config: RelayConfig, options: dict[str, Any]) -> Sen
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(
-            "--sender", f"{spec!r}: expected console or package.module:factory"
+            "--sender", f"{spec!r}: expected ses, smtp, console, file or package.module:factory"
         )
     try:
         factory = getattr(importlib.import_module(module_name), attr)
@@ -218,8 +273,15 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
     "--sender",
     default=None,
     show_default=False,
-    help="Required: ses, smtp, package.module:factory, or console (prints a masked line per "
-    "message and delivers nothing: for local work only).",
+    help="Required: ses, smtp, package.module:factory, console (prints a masked line per "
+    "message) or file (writes each message to --mail-dir); console and file deliver nothing: "
+    "for local work only.",
+)
+@option(
+    "--mail-dir",
+    default=None,
+    help="With --sender file: the folder each message is written to as an .eml file "
+    "(created if missing).",
 )
 @option(
     "--ses-configuration-set",
@@ -359,7 +421,9 @@ def run(**options: Any) -> None:
         )
     )
     sender_options = {
-        name: options.pop(name) for name in list(options) if name.startswith(("ses_", "smtp_"))
+        name: options.pop(name)
+        for name in list(options)
+        if name.startswith(("ses_", "smtp_", "mail_"))
     }
     config = RelayConfig(**options)  # a ConfigurationError is one line (see _Commands)
     if not config.sender:  # no default: a relay that delivers nothing must be asked for
@@ -592,3 +656,177 @@ def events(**options: Any) -> None:
                 server.stop()
     finally:
         engine.dispose()
+
+
+# -- preflight: doctor and send-test (the checks are relay/doctor.py's) ----------------------
+
+
+def _aws_clients() -> preflight.Clients:
+    """The clients doctor checks with: the relay's own SES client (its region chain), the
+    intake's SQS client, and SES v1 and SNS clients of boto3's same chain."""
+    try:
+        import boto3
+        from botocore.config import Config
+
+        from relay.intake import build_client as sqs_client
+        from relay.senders.ses import build_client as ses_client
+    except ImportError as exc:
+        raise ConfigurationError(
+            "--sender", f"checking SES needs boto3 ({exc}): pip install 'sqlalchemy-outbox[ses]'"
+        ) from None
+    config = Config(retries={"total_max_attempts": 2, "mode": "standard"}, read_timeout=10.0)
+
+    def aws(service: str, region: str) -> Any:
+        session = boto3.session.Session(region_name=region or None)
+        return cast(Any, session).client(service, config=config)
+
+    return preflight.Clients(
+        ses=lambda: ses_client(send_timeout=10.0, concurrency=1),
+        aws=aws,
+        sqs=lambda url: sqs_client(url, wait_seconds=1),
+    )
+
+
+def _smtp_probe(options: dict[str, Any]) -> tuple[Any, str]:
+    """Opening one SMTP session with the --smtp-* flags, and where it goes."""
+
+    def probe() -> str:
+        settings = SmtpSettings(
+            host=options.get("smtp_host") or "",
+            port=options.get("smtp_port"),
+            security=options.get("smtp_security") or DEFAULT_SECURITY,
+            username=options.get("smtp_username"),
+            password=options.get("smtp_password"),
+            allow_cleartext_login=bool(options.get("smtp_allow_cleartext_login")),
+            timeout=options.get("smtp_timeout") or 10.0,
+        )
+        return SmtpSender(settings).probe()
+
+    return probe, f"{options.get('smtp_host')}:{options.get('smtp_port') or 'default port'}"
+
+
+@main.command()
+@database_url
+@option(
+    "--sender",
+    default="ses",
+    help="The sender to check, as `run` takes it: ses or smtp (another is a warn: not checked).",
+)
+@option(
+    "--ses-configuration-set",
+    default=None,
+    help="SES configuration set the relay sends with: it must exist and publish to the queue.",
+)
+@option("--smtp-host", default=None, help="SMTP server, with --sender smtp.")
+@option("--smtp-port", type=int, default=None, help="SMTP port [default: 465 for ssl, else 587].")
+@option(
+    "--smtp-security",
+    type=click.Choice(SECURITY_MODES, case_sensitive=False),
+    default=DEFAULT_SECURITY,
+    help="How the SMTP connection is encrypted.",
+)
+@option("--smtp-username", default=None, help="SMTP user, if the server needs AUTH.")
+@option(
+    "--smtp-password",
+    default=None,
+    show_default=False,
+    callback=warn_secret_flag,
+    help="SMTP password (better as OUTBOX_SMTP_PASSWORD: a flag shows in the process list).",
+)
+@option(
+    "--smtp-allow-cleartext-login",
+    is_flag=True,
+    default=False,
+    help="Allow the SMTP login over --smtp-security none (a server on a trusted network).",
+)
+@option(
+    "--smtp-timeout",
+    type=float,
+    default=None,
+    help="Seconds the SMTP connect and each read may take [default: 10].",
+)
+@option(
+    "--events-queue-url",
+    default=None,
+    show_default=False,
+    help="The SQS queue the event intake reads: it must answer and be fed by the configuration "
+    "set's event destination.",
+)
+@option(
+    "--events-topic-arn",
+    default=None,
+    show_default=False,
+    help="The SNS topic the intake accepts events from: the event destination's topic must be it.",
+)
+@click.option(
+    "--from",
+    "from_addresses",
+    multiple=True,
+    help="A From address to check (repeatable), besides those of the newest 1000 messages.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(**options: Any) -> None:
+    """Check what the relay needs, without sending or writing anything: the database (schema,
+    grants), then SES (region, account, identities, configuration set, event destination,
+    queue) or the SMTP server. One line a check: ok, warn or fail, what was found, what to do.
+    Exit code 1 if any check fails."""
+    topic_arn = options["events_topic_arn"]
+    if topic_arn is not None:
+        check_topic_arn(topic_arn)
+    engine = open_engine(options["database_url"])
+    try:
+        check_file_exists(engine)  # a mistyped SQLite path is not created empty
+        checks = preflight.diagnose(
+            engine,
+            sender=options["sender"],
+            clients=_aws_clients,
+            smtp=_smtp_probe(options),
+            identities=options["from_addresses"],
+            configuration_set=options["ses_configuration_set"],
+            queue_url=options["events_queue_url"],
+            topic_arn=topic_arn,
+        )
+    finally:
+        engine.dispose()
+    click.echo(preflight.render(checks, as_json=options["as_json"]))
+    if any(check.status is preflight.Level.FAIL for check in checks):
+        sys.exit(1)
+
+
+@main.command(name="send-test")
+@database_url
+@click.option("--to", required=True, help="Where the test message goes.")
+@click.option(
+    "--from",
+    "sender",
+    default=None,
+    help="Its From address [default: the From of the newest message in the outbox].",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for it to be sent (and delivered, while an event intake runs).",
+)
+def send_test(database_url: str, to: str, sender: str | None, wait: float) -> None:
+    """Enqueue one test message (category outbox-test) and follow it: sent by a running
+    relay, then, while an event intake runs, delivered. Exit code 0 once delivered (sent
+    when no intake runs), 1 when it failed or the wait ran out."""
+    engine = open_database(database_url)
+    try:
+        if sender is None:
+            found = preflight.identities_in_use(engine)[0]
+            if not found:
+                raise StartupError(
+                    "--from: no message in the outbox to take a From address from: pass --from"
+                )
+            sender = found[0]
+        message_id, key = preflight.enqueue_test(engine, to=to, sender=sender)
+        click.echo(f"message {message_id}: enqueued (key {key}) from {sender} to {to}")
+        outcome = preflight.watch(engine, message_id, wait=wait, echo=click.echo)
+    finally:
+        engine.dispose()
+    if not outcome.ok:
+        raise click.ClickException(f"message {message_id}: {outcome.why}")
+    click.echo(f"message {message_id}: {outcome.why}")

@@ -85,6 +85,7 @@ __all__ = [
     "heartbeat_held",
     "hold_unknown",
     "list_messages",
+    "live_heartbeats",
     "lock_send_budget",
     "mark_send_started",
     "mark_send_started_at",
@@ -94,6 +95,7 @@ __all__ = [
     "prune_send_budget",
     "read_lag",
     "read_view",
+    "recent_payloads",
     "reconcile_unknown",
     "record_attempts",
     "register",
@@ -1658,6 +1660,28 @@ def get_message(
         sa.select(attempts).where(attempts.c.message_id == message_id).order_by(attempts.c.id)
     ).all()
     return row, list(history)
+
+
+def recent_payloads(conn: sa.Connection, *, limit: int = 1000) -> list[Any]:
+    """recent_payloads -- The payloads of the newest ``limit`` messages, newest first: where
+    ``doctor`` finds the From addresses and configuration sets in use (read backwards along
+    the primary key, so its cost does not grow with the table)."""
+    stmt = sa.select(_m.c.payload).order_by(_m.c.id.desc()).limit(limit)
+    return list(conn.execute(stmt).scalars())
+
+
+def live_heartbeats(conn: sa.Connection, *, since: datetime) -> tuple[int, int]:
+    """live_heartbeats -- How many relays (``running``) and event intakes beat since
+    ``since``: whether a test message can be sent and its events seen."""
+    running = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(relays)
+        .where(relays.c.state == RelayState.RUNNING.value, relays.c.heartbeat_at >= since)
+    ).scalar_one()
+    taking = conn.execute(
+        sa.select(sa.func.count()).select_from(intakes).where(intakes.c.heartbeat_at >= since)
+    ).scalar_one()
+    return int(running), int(taking)
 
 
 _IDS_PER_STATEMENT = 10_000  # PostgreSQL takes at most 65,535 parameters in one statement

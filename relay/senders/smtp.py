@@ -667,6 +667,24 @@ class SmtpSender(BaseSender):
             if self._connections.get(current) is conn:
                 del self._connections[current]
 
+    def probe(self) -> str:
+        """Open one connection as a send would (connect, EHLO, STARTTLS, login), say QUIT,
+        and return what was done; raises what the opening raised. For ``outbox-relay
+        doctor``: nothing is sent."""
+        conn = self._open()
+        done = ["connected", "EHLO"]
+        if self.security != "none":
+            done.append("TLS" if self.security == "ssl" else "STARTTLS")
+        if self.username is not None and self._password is not None:
+            done.append(f"logged in as {self.username}")
+        try:
+            conn.quit()
+        except (smtplib.SMTPException, OSError):
+            pass
+        finally:
+            conn.close()
+        return ", ".join(done)
+
     def where(self) -> dict[str, str]:
         """The server and how the connection is encrypted, for the relay's start line."""
         return {"endpoint": f"{self.settings.host}:{self.port}", "security": self.settings.security}

@@ -30,14 +30,36 @@ COMMAND_ARGS = {
     "resolve": ["1", "--delivered"],
     "suppressions": ["list"],
     "events": ["--events-queue-url", "http://127.0.0.1:9/000000000000/q", "--exit-when-idle"],
+    "doctor": ["--sender", "console"],
+    "send-test": ["--to", "customer@example.com", "--from", "shop@example.com", "--wait", "0"],
 }
-ADMIN = [name for name in COMMAND_ARGS if name not in ("run", "migrate")]
+# doctor reports an unreachable database or a missing schema as a `fail` line (exit 1)
+ADMIN = [name for name in COMMAND_ARGS if name not in ("run", "migrate", "doctor")]
 # Blocks one driver's import, as if it were not installed (it is, for the other tests).
 WITHOUT = "import sys; sys.modules[{module!r}] = None; from relay.cli import main; main()"
 
 
+# commands without a database: their refusals are tested below and in test_alembic_app.py
+NO_DATABASE = {"alembic-revision"}
+
+
 def test_every_command_is_covered():
-    assert set(main.commands) == set(COMMAND_ARGS)
+    assert set(main.commands) == set(COMMAND_ARGS) | NO_DATABASE
+
+
+def test_alembic_revision_without_an_alembic_ini_is_one_line_naming_config(tmp_path):
+    done = subprocess.run(
+        [RELAY, "alembic-revision", "--config", str(tmp_path / "alembic.ini")],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    line = refusal(done)
+    assert "--config" in line
+    assert "alembic.ini: no such file" in line
 
 
 def cli(
