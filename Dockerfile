@@ -29,8 +29,9 @@
 #   OUTBOX_SMTP_HOST / _PORT / _SECURITY / _USERNAME / _PASSWORD: see `run --help`.
 #   OUTBOX_DATABASE_URL and OUTBOX_REVISION (default heads) are the settings of `migrate`.
 #
-# SES is configured the boto3 way, not through OUTBOX_*: AWS_DEFAULT_REGION (boto3 reads this
-# one; set AWS_REGION too for other SDKs), credentials from the standard chain (an IAM role for
+# SES is configured the boto3 way, not through OUTBOX_*: AWS_REGION or AWS_DEFAULT_REGION (the
+# relay reads either; where both are set and differ, AWS_DEFAULT_REGION wins and
+# `outbox-relay doctor` warns), credentials from the standard chain (an IAM role for
 # the pod, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), AWS_ENDPOINT_URL_SESV2 to point it
 # elsewhere. Nothing secret is baked into the image.
 

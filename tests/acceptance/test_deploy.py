@@ -712,7 +712,8 @@ def test_compose_migrates_first_and_stops_the_relay_with_time_to_drain():
     assert drain >= float(env.get("OUTBOX_SEND_TIMEOUT", "20"))
     assert seconds(relay["stop_grace_period"]) >= drain + 10
     assert relay["read_only"] is True
-    assert env["AWS_DEFAULT_REGION"] == env["AWS_REGION"]
+    assert env["AWS_REGION"], "a region the relay reads"
+    assert env.get("AWS_DEFAULT_REGION", env["AWS_REGION"]) == env["AWS_REGION"]
 
     # every service connects as the role made for it: owner migrates, grants creates the rest
     owner = services["db"]["environment"]["POSTGRES_USER"]
@@ -863,7 +864,8 @@ def test_k8s_probes_security_and_secrets_of_the_relay_sidecar():
     for value in literal_env(relay).values():
         assert "://" not in value
         assert "secret" not in value.lower()
-    assert env["AWS_DEFAULT_REGION"] == env["AWS_REGION"]
+    assert env["AWS_REGION"], "a region the relay reads"
+    assert env.get("AWS_DEFAULT_REGION", env["AWS_REGION"]) == env["AWS_REGION"]
 
 
 def test_k8s_a_network_policy_keeps_the_relays_port_to_monitoring():
@@ -915,3 +917,56 @@ def test_k8s_the_relay_settings_of_the_manifest_start_a_relay(image, moto, tmp_p
     rows = message_rows(url)
     assert {r.claimed_by for r in rows.values()} == {"shop-5d9c7b6f4-x2x7q"}
     assert Counter(r.status for r in rows.values()) == {"sent": 2}
+
+
+# -- the region, said the same way everywhere ------------------------------------------------
+
+REGION_TEXTS = [
+    "README.md",
+    "docs/configuration.md",
+    "docs/design.md",
+    "Dockerfile",
+    "examples/deploy/README.md",
+    "examples/deploy/compose.yaml",
+    "examples/deploy/k8s-sidecar.yaml",
+]
+# what the relay does not do: read only one of the two, or need both
+WRONG_REGION_CLAIMS = [
+    r"boto3 reads (only )?(the region from )?\W*AWS_DEFAULT_REGION",
+    r"the one boto3 reads",
+    r"not\W+AWS_REGION",
+    r"set both",
+]
+
+
+@pytest.mark.parametrize("path", REGION_TEXTS)
+def test_every_text_says_the_relay_reads_either_region_variable(path):
+    text = " ".join((REPO / path).read_text().split())
+    for claim in WRONG_REGION_CLAIMS:
+        assert not re.search(claim, text, flags=re.I), f"{path}: {claim}"
+    assert "AWS_REGION" in text, f"{path} names no region variable"
+    if "AWS_DEFAULT_REGION" in text and path.endswith((".md", "Dockerfile")):
+        assert re.search(r"AWS_DEFAULT_REGION\W+wins", text), f"{path}: which wins is unsaid"
+
+
+@pytest.mark.parametrize(
+    ("variables", "region"),
+    [
+        ({"AWS_REGION": "eu-west-1"}, "eu-west-1"),
+        ({"AWS_DEFAULT_REGION": "eu-west-2"}, "eu-west-2"),
+        ({"AWS_REGION": "eu-west-1", "AWS_DEFAULT_REGION": "eu-west-2"}, "eu-west-2"),
+    ],
+    ids=["AWS_REGION", "AWS_DEFAULT_REGION", "both-differ"],
+)
+def test_the_ses_client_takes_the_region_as_the_texts_say(variables, region, monkeypatch):
+    from relay.senders.ses import build_client
+
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    client = build_client(send_timeout=5.0, concurrency=1)
+    assert client.meta.region_name == region
