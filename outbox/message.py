@@ -69,7 +69,8 @@ _POLICY = policy.SMTP.clone(cte_type="7bit", refold_source="none")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 # the decoder the email package writes headers with (private, and without type stubs)
 _encoded_words: Any = importlib.import_module("email._encoded_words")
-_ENCODED_WORD = re.compile(r"=\?[^?\s]*\?[bBqQ]\?[^?\s]*\?=")
+# white space inside a word breaks RFC 2047 but not Python's decoder, which reads up to "?="
+_ENCODED_WORD = re.compile(r"=\?[^?]*\?[bBqQ]\?[^?]*\?=")
 _FOLD = re.compile(r"\r?\n(?=[ \t])")  # a folded header's line break, before its white space
 _HEADER_NAME = re.compile(r"[!-9;-@A-~]{1,126}")
 _HEADER_VALUE = re.compile(r"[ -~]{1,995}")

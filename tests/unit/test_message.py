@@ -138,6 +138,16 @@ INJECTIONS = [
         id="subject-ew-after-bad",
     ),
     pytest.param({"subject": "=?iso-8859-1*en?q?a=85b?="}, "subject", id="subject-ew-lang-nel"),
+    # white space inside the word: against RFC 2047, decoded all the same; its CRLF before a
+    # space looked like a fold and wrote a header line of white space alone
+    pytest.param(
+        {"subject": "x =?utf-8?q?a b=0D=0A_=0D=0A_X:_1?="}, "subject", id="subject-ew-spaces"
+    ),
+    pytest.param(
+        {"attachments": attach(filename="=?utf-8?q?f g=0D=0A_Bcc:_x@evil.com?=.txt")},
+        "attachments[0].filename",
+        id="filename-ew-spaces",
+    ),
     pytest.param(
         {"to": ['"=?utf-8?b?A?= =?utf-8?q?=0D=0AX?=" <a@example.com>']},
         "to[0]",
