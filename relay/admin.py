@@ -1301,17 +1301,17 @@ def _prune_stopped_relays(conn: sa.Connection, *, before: datetime) -> int:
     """prune_stopped_relays -- Delete the rows of relays that stopped cleanly before
     ``before``: every rollout adds one per pod, and a stopped relay's id is free anyway. A
     relay that died without stopping keeps its row (its id is taken over when reused)."""
-    stmt = sa.delete(relays).where(
-        relays.c.state == RelayState.STOPPED.value, relays.c.heartbeat_at < before
-    )
-    return int(conn.execute(stmt).rowcount)
+    return int(conn.execute(sa.delete(relays).where(_stopped_before(before))).rowcount)
 
 
 def _count_stopped_relays(conn: sa.Connection, *, before: datetime) -> int:
-    stmt = sa.select(sa.func.count()).where(
-        relays.c.state == RelayState.STOPPED.value, relays.c.heartbeat_at < before
-    )
-    return int(conn.execute(stmt).scalar_one())
+    count = sa.select(sa.func.count()).select_from(relays).where(_stopped_before(before))
+    return int(conn.execute(count).scalar_one())
+
+
+def _stopped_before(before: datetime) -> sa.ColumnElement[bool]:
+    """Relays that stopped cleanly, last heard of before ``before``."""
+    return sa.and_(relays.c.state == RelayState.STOPPED.value, relays.c.heartbeat_at < before)
 
 
 def _prune_unmatched_events(conn: sa.Connection, *, before: datetime, limit: int) -> int:
