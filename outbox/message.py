@@ -42,6 +42,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_RECIPIENTS",
     "RESERVED_TAGS",
+    "TRACE_KEY",
     "Attachment",
     "Email",
     "validate_address",
@@ -52,10 +53,12 @@ MAX_MESSAGE_BYTES = 40_000_000
 MAX_HEADERS = 15
 RESERVED_TAGS = frozenset({"outbox_message_id", "outbox_category", "outbox_attempt"})
 
+TRACE_KEY = "trace"  # the payload's optional W3C trace context of the enqueue (outbox.tracing)
+
 _PAYLOAD_VERSION = 1
 _PAYLOAD_KEYS = frozenset(
     {"v", "sender", "to", "cc", "bcc", "reply_to", "subject", "text", "html", "headers"}
-    | {"attachments", "configuration_set", "tags", "template", "template_data"}
+    | {"attachments", "configuration_set", "tags", "template", "template_data", TRACE_KEY}
 )
 _ATTACHMENT_KEYS = frozenset(
     {"filename", "content_type", "disposition", "content_id", "content_b64"}
@@ -608,6 +611,8 @@ class Email:
 
         Keys may be missing or ``None`` for empty fields. An unknown version, unknown key or
         malformed value raises :class:`InvalidEmail` naming it (``"payload.v"``, ``"sender"``).
+        :data:`TRACE_KEY` (the enqueue's trace context, not part of the email) is left out
+        unread, whatever it holds: tracing never fails a delivery.
         """
         if type(payload) is not dict and not isinstance(payload, Mapping):
             raise InvalidEmail("payload", f"expected a mapping, got {type(payload).__name__}")
@@ -621,7 +626,11 @@ class Email:
                 raise InvalidEmail(f"payload.{key}", "unknown key in an email payload")
         if payload.get("sender") is None:
             raise InvalidEmail("sender", "the payload has no sender")
-        kwargs = {key: value for key, value in payload.items() if key != "v" and value is not None}
+        kwargs = {
+            key: value
+            for key, value in payload.items()
+            if key not in ("v", TRACE_KEY) and value is not None
+        }
         tags = kwargs.get("tags")
         if isinstance(tags, Mapping) and not RESERVED_TAGS.isdisjoint(tags):
             # Stored before the name was reserved: the relay sets its own value for it.

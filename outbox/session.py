@@ -29,7 +29,7 @@ from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import Session, UOWTransaction, scoped_session, sessionmaker
 from sqlalchemy.util.concurrency import in_greenlet
 
-from outbox import signals
+from outbox import signals, tracing
 from outbox.category import DEFAULT_CATEGORIES, Category
 from outbox.enqueue import EnqueueResult, build_row, check_key, insert_messages
 from outbox.exceptions import ConfigurationError, InvalidArgument, UnknownCategory
@@ -207,12 +207,15 @@ def _write(
     for index, entry in enumerate(entries):
         if first.setdefault(entry.row["idempotency_key"], index) == index:
             fresh.append(entry)
-    written = insert_messages(
-        conn,
-        [e.row for e in fresh],
-        [e.email for e in fresh],
-        fresh={e.row["idempotency_key"] for e in fresh if e.generated},
-    )
+    rows = [e.row for e in fresh]
+    with tracing.creating(rows) as created:
+        written = insert_messages(
+            conn,
+            rows,
+            [e.email for e in fresh],
+            fresh={e.row["idempotency_key"] for e in fresh if e.generated},
+        )
+        created(written)
     by_key = {
         entry.row["idempotency_key"]: outcome for entry, outcome in zip(fresh, written, strict=True)
     }

@@ -38,7 +38,7 @@ from sqlalchemy.pool import SingletonThreadPool, StaticPool
 from outbox.exceptions import ConfigurationError
 from outbox.message import Email
 from outbox.schema import AttemptOutcome, RelayState
-from relay import signals, store
+from relay import signals, store, tracing
 from relay.clock import DatabaseClock
 from relay.config import RelayConfig, valid_send_rate
 from relay.db import READ_COMMITTED, masked_url
@@ -104,6 +104,7 @@ class _InFlight:
     probe: Scope | None = None  # the paused scope this send probes
     overdue: bool = False  # past its deadline, logged once
     dropped: tuple[str, ...] = ()  # suppressed recipients left out of this send
+    trace: tracing.Attempt | None = None  # the send's span (tracing on)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,6 +115,7 @@ class _Ready:
     email: Email
     probe: Scope | None = None
     dropped: tuple[str, ...] = ()  # suppressed recipients taken out of ``email``
+    trace: tracing.Carrier | None = None  # the enqueue's stored trace context (tracing on)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,6 +128,7 @@ class _Done:
     duration: float | None = None  # seconds the provider call took; None: no call
     recorded: AttemptOutcome | None = None  # the attempt's outcome when no call was made
     dropped: tuple[str, ...] = ()  # suppressed recipients not sent to
+    trace: tracing.Attempt | None = None  # the attempt's span, linked from its save's
 
 
 def _is_outage(exc: sa.exc.DBAPIError) -> bool:
@@ -552,9 +555,9 @@ class Relay:
             signals.claimed.send(self, message_id=claim.id, category=claim.category)
             try:
                 payload = claim.payload
-                email = Email.from_payload(
-                    json.loads(payload) if isinstance(payload, str) else payload
-                )
+                if isinstance(payload, str):
+                    payload = json.loads(payload)
+                email = Email.from_payload(payload)
             except Exception as exc:  # not JSON, too deep or too large for Python, not an email
                 decision = _fitted(
                     Decision(action=Action.FAIL, code="invalid_payload", message=str(exc))
@@ -569,15 +572,16 @@ class Relay:
                     )
                 )
                 continue
+            trace = tracing.stored(payload)
             if not self.pauses:
-                self._ready.append(_Ready(claim=claim, email=email))
+                self._ready.append(_Ready(claim=claim, email=email, trace=trace))
                 continue
             admission, scope = self.pauses.admit(_scopes(email))
             if admission is Admission.HOLD:
                 # at least a second: a scope whose probe is out would be claimed again at once
                 held.append((claim, max(1.0, self.pauses.remaining(_scopes(email)))))
             else:
-                self._ready.append(_Ready(claim=claim, email=email, probe=scope))
+                self._ready.append(_Ready(claim=claim, email=email, probe=scope, trace=trace))
         for claim, wait in held:
             later = now + timedelta(seconds=wait)
             store.release_unsent(
@@ -707,7 +711,9 @@ class Relay:
             )
             started = time.monotonic()
             lease_ends = started + (claim.lease_expires_at - now).total_seconds()
-            future = self._pool.submit(self._send, message, slot, lease_ends)
+            span = tracing.Attempt(message, ready.trace) if tracing.ENABLED else None
+            send = self._send if span is None else span.run(self._send)
+            future = self._pool.submit(send, message, slot, lease_ends)
             self._in_flight[(claim.id, claim.claim_token)] = _InFlight(
                 claim=claim,
                 started_at=started_at,
@@ -715,6 +721,7 @@ class Relay:
                 deadline=started + self.config.send_timeout,
                 probe=ready.probe,
                 dropped=ready.dropped,
+                trace=span,
             )
             future.add_done_callback(lambda _f: self._wake.set())
 
@@ -770,10 +777,12 @@ class Relay:
                         decision=decision,
                         duration=duration,
                         dropped=flight.dropped,
+                        trace=flight.trace,
                     )
                 )
                 self._react(outcome, flight.probe)
 
+    @tracing.settles
     def _save(
         self, conn: sa.Connection, batch: list[_Done], now: datetime, *, attempts: bool = True
     ) -> list[bool]:

@@ -1,0 +1,101 @@
+"""The tracing modules without a database: what is stored, what is read back, and nothing at
+all when OpenTelemetry is off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from outbox import Email
+from outbox import tracing as app_tracing
+from outbox.message import TRACE_KEY
+from relay import tracing as relay_tracing
+
+PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def rows(count: int = 1) -> list[dict[str, Any]]:
+    email = Email(sender="shop@example.com", to="ada@example.com", subject="S", text="T")
+    return [{"category": "default", "payload": email.to_payload()} for _ in range(count)]
+
+
+def test_an_enqueue_without_a_current_span_stores_nothing():
+    written = rows(2)
+    with app_tracing.creating(written) as created:
+        created([(1, False), (2, False)])
+    assert all(TRACE_KEY not in row["payload"] for row in written)
+
+
+def test_an_enqueue_in_a_span_stores_a_traceparent_in_each_row():
+    provider = TracerProvider()
+    written = rows(2)
+    app_tracing.use_tracer_provider(provider)
+    try:
+        with (
+            provider.get_tracer("app").start_as_current_span("request") as request,
+            app_tracing.creating(written) as created,
+        ):
+            created([(1, False), (2, False)])
+    finally:
+        app_tracing.use_tracer_provider(None)
+    trace_id = f"{request.get_span_context().trace_id:032x}"
+    stored = [row["payload"][TRACE_KEY] for row in written]
+    assert stored[0] == stored[1]
+    assert list(stored[0]) == ["traceparent"]
+    assert stored[0]["traceparent"].split("-")[1] == trace_id
+
+
+def test_with_tracing_off_nothing_is_stored_and_the_save_is_not_wrapped(monkeypatch):
+    monkeypatch.setattr(app_tracing, "ENABLED", False)
+    monkeypatch.setattr(relay_tracing, "ENABLED", False)
+    provider = TracerProvider()
+    written = rows()
+    with (
+        provider.get_tracer("app").start_as_current_span("request"),
+        app_tracing.creating(written) as created,
+    ):
+        created([(1, False)])
+    assert TRACE_KEY not in written[0]["payload"]
+
+    def save(relay, conn, batch, now):
+        return [True for _ in batch]
+
+    assert relay_tracing.settles(save) is save
+    assert relay_tracing.stored({TRACE_KEY: {"traceparent": PARENT}}) is None
+
+
+@pytest.mark.parametrize(
+    ("stored", "read"),
+    [
+        ({"traceparent": PARENT}, {"traceparent": PARENT}),
+        (
+            {"traceparent": PARENT, "tracestate": "a=1", "baggage": "user=ada"},
+            {"traceparent": PARENT, "tracestate": "a=1"},
+        ),
+        ({"tracestate": "a=1"}, None),
+        ({"traceparent": 7}, None),
+        ("00-abc", None),
+        (None, None),
+    ],
+    ids=[
+        "traceparent",
+        "tracestate-kept-rest-dropped",
+        "no-traceparent",
+        "not-a-str",
+        "not-a-dict",
+        "null",
+    ],
+)
+def test_the_relay_reads_back_only_a_well_formed_context(stored, read):
+    assert relay_tracing.stored({"v": 1, TRACE_KEY: stored}) == read
+    assert relay_tracing.stored({"v": 1}) is None
+
+
+@pytest.mark.parametrize("stored", [{"traceparent": PARENT}, "garbage", 7, None, ["x"]])
+def test_from_payload_leaves_the_trace_context_out_whatever_it_holds(stored):
+    email = Email(sender="shop@example.com", to="ada@example.com", subject="S", text="T")
+    payload = {**email.to_payload(), TRACE_KEY: stored}
+    assert Email.from_payload(payload) == email
+    assert TRACE_KEY not in email.to_payload()
