@@ -84,10 +84,11 @@ _AUTHENTICATION = frozenset({530, 534, 535, 538})
 # message's size) nor 555 (a parameter of this transaction)
 _SENDER_NOT_ALLOWED = frozenset({550, 553, 554})
 # RFC 3463's enhanced status code at the start of a reply ("5.3.4 Message too big")
-_ENHANCED = re.compile(r"\s*[245]\.(\d{1,3})\.(\d{1,3})\b")
-# its subjects that blame the sending address: addressing (5.1.x: 5.1.7 bad sender syntax,
-# 5.1.8 bad sender's system) and security or policy (5.7.x: not authorized, not owned)
-_SENDER_SUBJECTS = frozenset({"1", "7"})
+_ENHANCED = re.compile(r"\s*[245]\.(\d{1,3}\.\d{1,3})\b")
+# the only ones that, to MAIL FROM, are about this message (its size, announced with SIZE=):
+# nothing else of it has been sent yet, so any other refusal there is the sender's or the
+# server's, for every message alike
+_MESSAGE_TOO_BIG = frozenset({"3.4", "2.3"})
 
 
 # -- classification -------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def classify(exc: BaseException, *, data_sent: bool, sender: str = "") -> Outcom
         refused_from = (
             isinstance(exc, smtplib.SMTPSenderRefused)
             and code in _SENDER_NOT_ALLOWED
-            and _blames_sender(reply)
+            and not _blames_message(reply)
         )
         if scope is None and refused_from and sender:
             scope = Scope(ScopeKind.IDENTITY, identity(sender))
@@ -147,8 +148,7 @@ def classify(exc: BaseException, *, data_sent: bool, sender: str = "") -> Outcom
             return Disabled(code=f"smtp_{code}", message=text, pause=True, scope=scope)
         if _is_permanent(code):
             # MAIL FROM refused for a parameter or without a From to pause: every message
-            # will be; 552 there, or an enhanced code on the message (5.2.x, 5.3.x, 5.6.x),
-            # is this message's own (its size, announced with SIZE=)
+            # will be; 552 there, or 5.3.4 or 5.2.3, is this message's own size (SIZE=)
             setup = (
                 isinstance(exc, smtplib.SMTPSenderRefused)
                 and code != 552
@@ -176,19 +176,12 @@ def classify(exc: BaseException, *, data_sent: bool, sender: str = "") -> Outcom
     return Transient(code="smtp_unexpected_error", message=text)
 
 
-def _blames_sender(reply: str) -> bool:
-    """Whether a refusal of ``MAIL FROM`` is about the address: without an enhanced status
-    code, yes (the reply code says so); with one, only for its addressing and policy subjects
-    (a 5.3.4 "message too big" or a 5.6.x content refusal is that message's alone)."""
-    found = _ENHANCED.match(reply)
-    return found is None or found.group(1) in _SENDER_SUBJECTS
-
-
 def _blames_message(reply: str) -> bool:
-    """An enhanced status code on the message itself: mailbox (5.2.x: too big for it), mail
-    system (5.3.x: 5.3.4 too big) or content (5.6.x)."""
+    """Whether a refusal of ``MAIL FROM`` says this message is too big (5.3.4, 5.2.3): its own
+    problem, unlike any other refusal there (a 5.3.5 misconfigured server, a 5.2.1 disabled
+    sender mailbox, an unknown code), which every message from the sender would meet."""
     found = _ENHANCED.match(reply)
-    return found is not None and found.group(1) in {"2", "3", "6"}
+    return found is not None and found.group(1) in _MESSAGE_TOO_BIG
 
 
 def _is_reply(code: int) -> bool:

@@ -142,12 +142,11 @@ def test_disabled_outcomes_pause_the_relay():
     [
         b"5.3.4 Message size exceeds fixed maximum message size",  # aiosmtpd, Postfix
         b"5.2.3 Message length exceeds administrative limit",
-        b"5.6.0 Content rejected",
     ],
 )
-def test_a_mail_from_refusal_whose_enhanced_code_blames_the_message_fails_only_it(reply):
-    """A 550/554 to MAIL FROM with an enhanced status code about the message (its size, its
-    content) is that message's permanent failure: pausing its sender would hold the sender's
+def test_a_mail_from_refusal_saying_the_message_is_too_big_fails_only_it(reply):
+    """A 550/554 to MAIL FROM whose enhanced status code says the message is too big (its
+    SIZE=) is that message's permanent failure: pausing its sender would hold the sender's
     other mail, and the message itself, as the probe, would pause it again for ever."""
     for code in (550, 554):
         outcome = classify(
@@ -156,6 +155,28 @@ def test_a_mail_from_refusal_whose_enhanced_code_blames_the_message_fails_only_i
         assert isinstance(outcome, Permanent), outcome
         assert outcome.code == f"smtp_{code}"
         assert not outcome.config_error
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"5.3.5 System incorrectly configured",
+        b"5.3.2 System not accepting network messages",
+        b"5.2.1 Sender mailbox disabled",
+        b"5.0.0 Sender rejected",
+        b"5.6.0 Content rejected",  # nothing of the content was sent yet
+        b"5.9.9 Something new",
+        b"Sender rejected",
+    ],
+)
+def test_any_other_mail_from_refusal_pauses_the_sender_and_fails_nothing(reply):
+    """Before DATA nothing of the message was sent: any other refusal of MAIL FROM meets every
+    message from that sender alike, so their mail waits (a pause) instead of all failing."""
+    outcome = classify(
+        smtplib.SMTPSenderRefused(550, reply, A), data_sent=False, sender="shop@example.com"
+    )
+    assert isinstance(outcome, Disabled), outcome
+    assert outcome.scope == Scope(ScopeKind.IDENTITY, "shop@example.com")
 
 
 def test_a_refused_sender_is_a_config_error_a_refused_recipient_is_not():
