@@ -135,6 +135,7 @@ class Admission(enum.StrEnum):
 class _Pause:
     code: str
     until: float  # monotonic time of the next probe
+    seen: float  # monotonic time it last held or probed a message (or began)
     probing: bool = False
 
 
@@ -170,7 +171,8 @@ class Pauses:
     def pause(self, scope: Scope, code: str) -> bool:
         """Pause ``scope`` for ``seconds``; True if it was not paused before."""
         first = scope not in self._pauses
-        self._pauses[scope] = _Pause(code=code, until=self._clock() + self.seconds)
+        now = self._clock()
+        self._pauses[scope] = _Pause(code=code, until=now + self.seconds, seen=now)
         return first
 
     def paused(self, scope: Scope) -> bool:
@@ -201,12 +203,20 @@ class Pauses:
             return 0.0
         return max(0.0, self._clock() - pause.until)
 
+    def idle_for(self, scope: Scope) -> float:
+        """Seconds since ``scope``'s pause last held or probed a message (or began)."""
+        pause = self._pauses.get(scope)
+        return 0.0 if pause is None else max(0.0, self._clock() - pause.seen)
+
     def admit(self, scopes: Iterable[Scope]) -> tuple[Admission, Scope | None]:
         """What to do with a message that belongs to ``scopes``; for a probe, the scope it
         probes (a probe is taken out at once: the next message of that scope is held)."""
         held = self._holding(scopes)
         if not held:
             return Admission.SEND, None
+        now = self._clock()
+        for scope in held:
+            self._pauses[scope].seen = now
         for scope in held:
             if not self.probe_due(scope):
                 return Admission.HOLD, scope

@@ -367,10 +367,15 @@ class Relay:
         limit, probe = self._claim_limit()
         if not (self._unsaved or limit > 0 or self._admissible()):
             return False
-        # scoped pauses long past their probe time: their held messages have been due a while
+        # scoped pauses past their probe time that have held no message for longer than a
+        # pause: whatever they held has been due again since, and was not claimed
         grace = max(1.0, 2 * self.config.poll_interval)
         due_before = [
-            s for s in self.pauses.scopes if s != ACCOUNT and self.pauses.overdue(s) > grace
+            s
+            for s in self.pauses.scopes
+            if s != ACCOUNT
+            and self.pauses.overdue(s) > grace
+            and self.pauses.idle_for(s) > self.pauses.seconds + grace
         ]
         batch = list(self._unsaved)
         claims: list[store.Claim] = []
@@ -439,7 +444,7 @@ class Relay:
             self._probe_found_nothing = not (claims or self._ready or wave)
             if self._probe_found_nothing:
                 self.pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
-        elif limit > 0 and len(claims) < limit:
+        elif limit > 0 and len(claims) + len(expired) < limit:
             self._retire_unprobed(due_before)
         self._start(wave, marked, now)
         return bool(batch or claims or expired or admitted)

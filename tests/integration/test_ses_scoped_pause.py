@@ -10,6 +10,7 @@ denied identity; the relay runs in this process on each database backend.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -23,8 +24,9 @@ import sqlalchemy as sa
 from outbox.schema import attempts
 from relay.config import RelayConfig
 from relay.pause import ACCOUNT, Scope, ScopeKind, identity
-from relay.senders import Disabled, OutgoingMessage
+from relay.senders import Accepted, Disabled, OutgoingMessage
 from relay.senders.ses import SesSender, build_client, pause_scope
+from relay.testing import FakeSender
 from relay.worker import Relay
 from tests.support import ses as ses_support
 from tests.support.factories import email, enqueue
@@ -466,3 +468,51 @@ def test_a_paused_set_a_message_did_not_name_is_the_default_it_went_through(
     )
     assert found == scope
     assert str(Scope(ScopeKind.CONFIGURATION_SET)) == "configuration_set:(default)"
+
+
+def test_a_pause_that_still_holds_mail_is_not_ended_by_a_claim_cut_short_by_expired_rows(
+    backend,
+):
+    """A paused sender's held mail sits behind a backlog whose rows partly expire: a claim
+    that meets them returns fewer rows than its limit though due rows remain. The pause must
+    not take that for "nothing of mine is left" (it ended, and the held mail went out in one
+    burst into the paused identity): after the first wave, one probe per pause period."""
+    now = datetime.now(UTC)
+    ids = enqueue(backend.engine, [email(n, short=True, sender="bad@x.example") for n in range(8)])
+    for n in range(8, 88, 2):  # every other one of the backlog expires while it is sent
+        enqueue(backend.engine, [email(n, short=True)])
+        enqueue(backend.engine, [email(n + 1, short=True)], expires_at=now + timedelta(seconds=2))
+    denied = Scope(ScopeKind.IDENTITY, "bad@x.example")
+    began = time.monotonic()
+    tried: list[float] = []
+
+    def answer(m: OutgoingMessage):
+        if m.email.sender == "bad@x.example":
+            tried.append(time.monotonic() - began)
+            return Disabled(code="identity_denied", pause=True, scope=denied)
+        time.sleep(0.2)
+        return Accepted(provider_message_id=f"p{m.id}")
+
+    config = RelayConfig(
+        database_url=backend.url,
+        sender="fake",
+        relay_id="cut-short",
+        poll_interval=0.1,
+        pause_seconds=1.0,
+        send_timeout=2.0,
+        lease_seconds=10.0,
+        drain_seconds=2.0,
+        concurrency=4,
+        batch_size=4,
+    )
+    relay = Relay(engine=backend.engine, sender=FakeSender(answer), config=config)
+    with running(relay):
+        time.sleep(6.0)
+        assert relay.pauses.paused(denied)
+    first_wave = [t for t in tried if t < 0.5]
+    later = sorted(t for t in tried if t >= 0.5)
+    gaps = [b - a for a, b in itertools.pairwise(later)]
+    assert first_wave, tried
+    assert all(gap > 0.6 for gap in gaps), f"a burst into the paused identity: {tried}"
+    got = message_rows(backend.engine)
+    assert all(got[i].status == "pending" and got[i].attempt_count == 0 for i in ids)

@@ -173,3 +173,21 @@ def test_a_default_set_reached_through_an_identity_holds_only_that_identitys_mai
 def test_a_default_set_scope_is_named_by_its_set_and_identity():
     assert str(TRACKED_VIA_PROMO) == "configuration_set:tracked via identity:promo@example.com"
     assert Scope(ScopeKind.CONFIGURATION_SET, "tracked") != TRACKED_VIA_PROMO
+
+
+def test_a_pause_counts_the_time_since_it_last_held_a_message(pauses, clock):
+    """What lets the relay end a pause nothing is left to probe, and only such a one:
+    holding or probing a message of the scope starts the count again."""
+    shop = Scope(ScopeKind.IDENTITY, "shop@example.com")
+    pauses.pause(shop, "denied")
+    clock.now += 30
+    assert pauses.idle_for(shop) == 30
+    assert pauses.overdue(shop) == 0  # its probe is not due yet
+    assert pauses.admit([ACCOUNT, shop]) == (Admission.HOLD, shop)
+    assert pauses.idle_for(shop) == 0
+    clock.now += 100
+    assert pauses.overdue(shop) == 70
+    assert pauses.admit([ACCOUNT, shop]) == (Admission.PROBE, shop)
+    assert pauses.overdue(shop) == 0  # a probe is out
+    assert pauses.idle_for(shop) == 0
+    assert pauses.idle_for(Scope(ScopeKind.IDENTITY, "other@example.com")) == 0  # not paused
