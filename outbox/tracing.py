@@ -13,6 +13,7 @@ fails an enqueue. Why the context goes in the payload, and in this form: docs/de
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from contextvars import Token
 from types import TracebackType
@@ -97,6 +98,24 @@ class _Off:
 _OFF = _Off()
 
 
+# W3C trace context: a version-00 traceparent, and a tracestate kept only when short and
+# printable ASCII (it comes from the caller's request headers, so from anyone; W3C lets it be
+# cut). Bounded, it fits the room each row's size estimate leaves (outbox.enqueue).
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE = re.compile(r"[ -~]{1,512}")
+
+
+def _bounded(carrier: dict[str, str]) -> dict[str, str]:
+    """What of ``carrier`` is stored: nothing without a well-formed ``traceparent``."""
+    parent = carrier.get("traceparent", "")
+    if not _TRACEPARENT.fullmatch(parent):
+        return {}
+    state = carrier.get("tracestate", "")
+    if state and _TRACESTATE.fullmatch(state) and '"' not in state and "\\" not in state:
+        return {"traceparent": parent, "tracestate": state}
+    return {"traceparent": parent}
+
+
 class _Create:
     """The ``outbox create`` span of one batch, current while the batch is written."""
 
@@ -134,9 +153,9 @@ class _Create:
         current = trace.set_span_in_context(span)
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=current)
-        if carrier:
+        if stored := _bounded(carrier):
             for row in self._rows:
-                row["payload"][TRACE_KEY] = dict(carrier)
+                row["payload"][TRACE_KEY] = dict(stored)
         self._token = otel_context.attach(current)
 
     def _written(self, written: Sequence[tuple[int, bool]]) -> None:

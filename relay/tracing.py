@@ -1,30 +1,46 @@
 """OpenTelemetry on the relay side: a span per send attempt, linked to its enqueue, and a span
 per saved batch.
 
-With the ``otel`` extra installed, each attempt runs in a CONSUMER span ``outbox process``,
-begun and ended on its send thread around the provider call (an instrumented HTTP client's
-spans nest under it). It is a root span with a link to the trace context the enqueue stored
-in the row (:data:`outbox.message.TRACE_KEY`), so every attempt of a message, retries days
-later included, points at the same enqueue. Its attributes name the message, the attempt and
-its outcome; a transient, permanent or ambiguous outcome sets its status to ERROR. Each batch
-of finished sends the loop saves runs in one CLIENT span ``outbox settle``, linked to the
-process spans of the attempts it saves. Without OpenTelemetry nothing here runs: the worker
-builds no :class:`Attempt` and :func:`settles` returns the save unchanged. Anything
-OpenTelemetry raises is logged once and swallowed: tracing never fails a send or a save.
+With the ``otel`` extra installed, each attempt is a CONSUMER span ``outbox process``, a root
+span with a link to the trace context the enqueue stored in the row
+(:data:`outbox.message.TRACE_KEY`), so every attempt of a message, retries days later
+included, points at the same enqueue. Its attributes name the message, the attempt and its
+outcome; a transient, permanent or ambiguous outcome sets its status to ERROR. Each batch of
+finished sends the loop saves is one CLIENT span ``outbox settle``, linked to the process spans
+of the attempts it saves.
+
+No OpenTelemetry code runs on a send thread or the loop: they note the times and the outcome,
+and one telemetry thread makes the spans afterwards, with those times, from a bounded queue
+(full: a span is dropped, logged once). A span processor or exporter that blocks (a stalled
+stdout, an unreachable collector) would otherwise hold an answered send past its lease, to be
+swept as ambiguous and sent again, or hold the loop's transaction open. The price: spans of an
+instrumented HTTP client are not children of ``outbox process``. Without OpenTelemetry nothing
+here runs: the worker builds no :class:`Attempt` and :func:`settles` returns the save
+unchanged. Anything OpenTelemetry raises is logged once and swallowed.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import queue
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from contextvars import Token
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from outbox.message import TRACE_KEY
 from relay.senders import Accepted, Disabled, Outcome, OutgoingMessage
 
-__all__ = ["ENABLED", "Attempt", "Carrier", "settles", "stored", "use_tracer_provider"]
+__all__ = [
+    "ENABLED",
+    "Attempt",
+    "Carrier",
+    "flush",
+    "settles",
+    "stored",
+    "use_tracer_provider",
+]
 
 try:
     from opentelemetry import context as otel_context
@@ -45,6 +61,7 @@ _Save = TypeVar("_Save", bound=Callable[..., list[bool]])
 _FIELDS = ("traceparent", "tracestate")
 _log = logging.getLogger("relay")
 _warned = False
+_QUEUE = 10_000  # spans waiting for the telemetry thread; past it they are dropped
 
 
 def use_tracer_provider(provider: Any) -> None:
@@ -85,10 +102,66 @@ def _root() -> otel_context.Context:
     return otel_context.Context()
 
 
+class _Telemetry:
+    """One daemon thread that makes the spans, from a bounded queue, started on first use."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue(maxsize=_QUEUE)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._dropped = False
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="outbox-telemetry", daemon=True
+                    )
+                    self._thread.start()
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            if not self._dropped:
+                self._dropped = True
+                _log.warning(
+                    "tracing falls behind: spans are dropped",
+                    extra={"action": "tracing_dropped"},
+                )
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until what was submitted before is done; False past ``timeout``."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        try:
+            self._jobs.put(done.set, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:
+                _failed()
+
+
+_telemetry = _Telemetry()
+
+
+def flush(timeout: float = 5.0) -> bool:
+    """Wait until the spans of every attempt and save that ended before are made (handed to
+    the SDK's processors); False if that took longer than ``timeout`` seconds."""
+    return _telemetry.flush(timeout)
+
+
 class Attempt:
     """One send attempt's ``outbox process`` span. Made on the loop thread; :meth:`run` wraps
-    the send, which begins and ends the span on the send thread; ``context`` is then the
-    span's, for the ``outbox settle`` span that saves the attempt to link to."""
+    the send, noting its times and outcome for the telemetry thread, which makes the span;
+    ``context`` is then the span's, for the ``outbox settle`` span of its save to link to."""
 
     __slots__ = ("carrier", "context", "message")
 
@@ -98,60 +171,49 @@ class Attempt:
         self.context: trace.SpanContext | None = None
 
     def run(self, send: Callable[_P, tuple[Outcome, float]]) -> Callable[_P, tuple[Outcome, float]]:
-        """``send`` (which returns the outcome and the call's seconds) inside the span."""
+        """``send`` (which returns the outcome and the call's seconds), timed for the span."""
 
         def traced(*args: _P.args, **kwargs: _P.kwargs) -> tuple[Outcome, float]:
-            begun = self._begin()
+            began = time.time_ns()
             try:
                 result = send(*args, **kwargs)
             except BaseException as exc:
-                self._end(begun, None, exc)
+                ended = time.time_ns()
+                _telemetry.submit(functools.partial(self._emit, began, ended, None, exc))
                 raise
-            self._end(begun, result[0], None)
+            ended = time.time_ns()
+            _telemetry.submit(functools.partial(self._emit, began, ended, result[0], None))
             return result
 
         return traced
 
-    def _begin(self) -> tuple[trace.Span, Token[otel_context.Context]] | None:
-        try:
-            links = []
-            if self.carrier is not None:
-                enqueued = trace.get_current_span(_PROPAGATOR.extract(self.carrier))
-                if (linked := enqueued.get_span_context()).is_valid:
-                    links.append(trace.Link(linked))
-            message = self.message
-            span = _tracer.start_span(
-                "outbox process",
-                context=_root(),
-                kind=trace.SpanKind.CONSUMER,
-                links=links,
-                attributes={
-                    "messaging.system": "outbox",
-                    "messaging.operation.type": "process",
-                    "messaging.operation.name": "process",
-                    "messaging.destination.name": message.category,
-                    "messaging.message.id": str(message.id),
-                    "outbox.category": message.category,
-                    "outbox.attempt": message.attempt,
-                },
-            )
-            self.context = span.get_span_context()
-            return span, otel_context.attach(trace.set_span_in_context(span))
-        except Exception:
-            _failed()
-            return None
-
-    def _end(
-        self,
-        begun: tuple[trace.Span, Token[otel_context.Context]] | None,
-        outcome: Outcome | None,
-        exc: BaseException | None,
+    def _emit(
+        self, began: int, ended: int, outcome: Outcome | None, exc: BaseException | None
     ) -> None:
-        if begun is None:
-            return
-        span, token = begun
+        links = []
+        if self.carrier is not None:
+            enqueued = trace.get_current_span(_PROPAGATOR.extract(self.carrier))
+            if (linked := enqueued.get_span_context()).is_valid:
+                links.append(trace.Link(linked))
+        message = self.message
+        span = _tracer.start_span(
+            "outbox process",
+            context=_root(),
+            kind=trace.SpanKind.CONSUMER,
+            links=links,
+            start_time=began,
+            attributes={
+                "messaging.system": "outbox",
+                "messaging.operation.type": "process",
+                "messaging.operation.name": "process",
+                "messaging.destination.name": message.category,
+                "messaging.message.id": str(message.id),
+                "outbox.category": message.category,
+                "outbox.attempt": message.attempt,
+            },
+        )
+        self.context = span.get_span_context()
         try:
-            otel_context.detach(token)
             if outcome is not None and span.is_recording():
                 span.set_attribute("outbox.outcome", type(outcome).__name__.lower())
                 if isinstance(outcome, Accepted):
@@ -165,9 +227,8 @@ class Attempt:
             if exc is not None:
                 span.record_exception(exc)
                 span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
-            span.end()
-        except Exception:
-            _failed()
+        finally:
+            span.end(end_time=ended)
 
 
 class _Saved(Protocol):
@@ -179,8 +240,8 @@ class _Saved(Protocol):
 
 def settles(save: _Save) -> _Save:
     """Decorate ``save(relay, conn, batch, ...)`` (returning, per item of ``batch``, whether
-    it applied) to run in one ``outbox settle`` span linked to the batch's attempts; ``save``
-    itself when tracing is off."""
+    it applied) so that one ``outbox settle`` span, linked to the batch's attempts, is made
+    for it afterwards on the telemetry thread; ``save`` itself when tracing is off."""
     if not ENABLED:
         return save
 
@@ -188,63 +249,52 @@ def settles(save: _Save) -> _Save:
     def traced(relay: Any, conn: Any, batch: Sequence[_Saved], *args: Any, **kw: Any) -> list[bool]:
         if not batch:
             return save(relay, conn, batch, *args, **kw)
-        begun = _begin_settle(batch)
+        attempts = [done.trace for done in batch]
+        began = time.time_ns()
         try:
             applied: list[bool] = save(relay, conn, batch, *args, **kw)
         except BaseException as exc:
-            _end_settle(begun, None, exc)
+            ended = time.time_ns()
+            _telemetry.submit(functools.partial(_emit_settle, attempts, began, ended, None, exc))
             raise
-        _end_settle(begun, applied, None)
+        ended = time.time_ns()
+        _telemetry.submit(functools.partial(_emit_settle, attempts, began, ended, applied, None))
         return applied
 
     return cast(_Save, traced)
 
 
-def _begin_settle(
-    batch: Sequence[_Saved],
-) -> tuple[trace.Span, Token[otel_context.Context]] | None:
-    try:
-        links = [
-            trace.Link(attempt.context, {"messaging.message.id": str(attempt.message.id)})
-            for done in batch
-            if (attempt := done.trace) is not None
-            and attempt.context is not None
-            and attempt.context.is_valid
-        ]
-        span = _tracer.start_span(
-            "outbox settle",
-            context=_root(),
-            kind=trace.SpanKind.CLIENT,
-            links=links,
-            attributes={
-                "messaging.system": "outbox",
-                "messaging.operation.type": "settle",
-                "messaging.operation.name": "settle",
-                "messaging.batch.message_count": len(batch),
-            },
-        )
-        return span, otel_context.attach(trace.set_span_in_context(span))
-    except Exception:
-        _failed()
-        return None
-
-
-def _end_settle(
-    begun: tuple[trace.Span, Token[otel_context.Context]] | None,
+def _emit_settle(
+    attempts: list[Attempt | None],
+    began: int,
+    ended: int,
     applied: list[bool] | None,
     exc: BaseException | None,
 ) -> None:
-    if begun is None:
-        return
-    span, token = begun
+    links = [  # the attempts' spans were made before: they were queued first
+        trace.Link(attempt.context, {"messaging.message.id": str(attempt.message.id)})
+        for attempt in attempts
+        if attempt is not None and attempt.context is not None and attempt.context.is_valid
+    ]
+    span = _tracer.start_span(
+        "outbox settle",
+        context=_root(),
+        kind=trace.SpanKind.CLIENT,
+        links=links,
+        start_time=began,
+        attributes={
+            "messaging.system": "outbox",
+            "messaging.operation.type": "settle",
+            "messaging.operation.name": "settle",
+            "messaging.batch.message_count": len(attempts),
+        },
+    )
     try:
-        otel_context.detach(token)
         if applied is not None and span.is_recording():
             # the rest were no longer this relay's claim: recorded as stale attempts
             span.set_attribute("outbox.applied", sum(applied))
         if exc is not None:
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
-        span.end()
-    except Exception:
-        _failed()
+    finally:
+        span.end(end_time=ended)

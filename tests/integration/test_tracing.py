@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from outbox.schema import messages
 from outbox.sqlite import enable_savepoints
 from relay import tracing as relay_tracing
 from relay.senders import Transient
-from relay.testing import FakeSender
+from relay.testing import FakeSender, run_until_idle
 from tests.support.db import statuses
 from tests.support.factories import email
 from tests.support.hand_clocks import Clock
@@ -61,8 +62,10 @@ def _exporter(provider):
 @pytest.fixture
 def spans(_exporter):
     """The spans finished during the test."""
+    assert relay_tracing.flush()  # an earlier test's, made late by the telemetry thread
     _exporter.clear()
     yield _exporter
+    assert relay_tracing.flush()
     _exporter.clear()
 
 
@@ -80,6 +83,7 @@ def payload_of(engine: sa.Engine, message_id: int) -> dict:
 
 
 def named(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    assert relay_tracing.flush()  # the relay's spans are made on its telemetry thread
     return [s for s in spans.get_finished_spans() if s.name == name]
 
 
@@ -261,6 +265,7 @@ def test_a_broken_exporter_or_processor_never_fails_an_enqueue_or_a_send(
             settle(relay)
             clock.advance(3600)
             settle(relay)
+        assert relay_tracing.flush()  # the relay's spans are made on its telemetry thread
     finally:
         app_tracing.use_tracer_provider(None)
         relay_tracing.use_tracer_provider(None)
@@ -325,3 +330,41 @@ def test_without_opentelemetry_enqueue_and_the_relay_work_and_store_no_context(
     assert (enabled_app, enabled_relay, stored) == ("False", "False", "False")
     assert second.split() == [str(traced), mid], "the traced row is sent by a relay without it"
     assert set(statuses(backend.engine).values()) == {Status.SENT}
+
+
+class _SlowProcessor(SpanProcessor):
+    """A span processor that blocks (a stalled stdout, an exporter waiting on a collector)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_end(self, span: ReadableSpan) -> None:
+        time.sleep(self.seconds)
+
+
+def test_a_span_processor_that_blocks_never_holds_a_send_or_the_loop(backend):
+    """Each relay span's end blocks 3 s, with a 0.5 s send timeout and a 1.5 s lease: the
+    answered sends are saved as sent, once each, in well under the block (before, the send's
+    future waited for the exporter: past its lease the sweep took the accepted send for an
+    unknown outcome, and under "resend" sent it again; the save's span held the loop's
+    transaction open)."""
+    slow = TracerProvider()
+    slow.add_span_processor(_SlowProcessor(3.0))
+    relay_tracing.use_tracer_provider(slow)
+    try:
+        request = TracerProvider().get_tracer("app").start_as_current_span("request")
+        with request, Session(backend.engine) as s:
+            ids = [r.id for r in Outbox().enqueue_many(s, [email(1), email(2)])]
+            s.commit()
+        began = time.monotonic()
+        sender = run_until_idle(
+            backend.engine, send_timeout=0.5, lease_seconds=1.5, drain_seconds=0.5
+        )
+        took = time.monotonic() - began
+    finally:
+        assert relay_tracing.flush(timeout=30)
+        relay_tracing.use_tracer_provider(None)
+        slow.shutdown()
+    assert sorted(sender.called_ids) == ids, "each sent once"
+    assert set(statuses(backend.engine).values()) == {Status.SENT}
+    assert took < 2.5, took

@@ -99,3 +99,34 @@ def test_from_payload_leaves_the_trace_context_out_whatever_it_holds(stored):
     payload = {**email.to_payload(), TRACE_KEY: stored}
     assert Email.from_payload(payload) == email
     assert TRACE_KEY not in email.to_payload()
+
+
+@pytest.mark.parametrize(
+    ("carrier", "stored"),
+    [
+        ({"traceparent": PARENT}, {"traceparent": PARENT}),
+        (
+            {"traceparent": PARENT, "tracestate": "a=1,b=2"},
+            {"traceparent": PARENT, "tracestate": "a=1,b=2"},
+        ),
+        # from the caller's request headers, so from anyone: bounded before it is in every row
+        ({"traceparent": PARENT, "tracestate": "k=" + "v" * 600}, {"traceparent": PARENT}),
+        ({"traceparent": PARENT, "tracestate": "k=\\\\" * 20}, {"traceparent": PARENT}),
+        ({"traceparent": PARENT, "tracestate": "k=é"}, {"traceparent": PARENT}),
+        ({"traceparent": "00-" + "x" * 32 + "-" + "0" * 16 + "-01"}, {}),
+        ({"traceparent": PARENT + "-extra"}, {}),
+        ({}, {}),
+    ],
+    ids=[
+        "parent",
+        "state",
+        "state-too-long",
+        "state-escapes",
+        "state-not-ascii",
+        "bad-parent",
+        "long-parent",
+        "none",
+    ],
+)
+def test_the_stored_context_is_bounded(carrier, stored):
+    assert app_tracing._bounded(carrier) == stored
