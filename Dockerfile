@@ -47,7 +47,7 @@ ARG ALLOW_UNPINNED_BASE=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 RUN case "$PYTHON_IMAGE" in \
       *@sha256:*) ;; \
-      *) [ -n "$ALLOW_UNPINNED_BASE" ] || { \
+      *) [ "$ALLOW_UNPINNED_BASE" = 1 ] || { \
            echo "PYTHON_IMAGE=$PYTHON_IMAGE is not pinned by digest: build with --build-arg PYTHON_IMAGE=<image>@sha256:<digest> (or ALLOW_UNPINNED_BASE=1 for a local try)" >&2; \
            exit 1; } ;; \
     esac

@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -793,6 +794,12 @@ def doctor(**options: Any) -> None:
         sys.exit(1)
 
 
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value}: a number of seconds (nan would wait for ever)")
+    return value
+
+
 @main.command(name="send-test")
 @database_url
 @click.option("--to", required=True, help="Where the test message goes.")
@@ -804,7 +811,8 @@ def doctor(**options: Any) -> None:
 )
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0),
+    type=click.FloatRange(min=0, max=86400),
+    callback=lambda _ctx, _param, value: _finite(value),  # nan passes FloatRange
     default=60.0,
     show_default=True,
     help="Seconds to wait for it to be sent (and delivered, while an event intake runs).",
@@ -828,5 +836,11 @@ def send_test(database_url: str, to: str, sender: str | None, wait: float) -> No
     finally:
         engine.dispose()
     if not outcome.ok:
-        raise click.ClickException(f"message {message_id}: {outcome.why}")
+        queued = (
+            f"; it stays queued (a relay started later sends it: outbox-relay cancel "
+            f"{message_id} to drop it)"
+            if outcome.state in ("pending", "retrying", "processing")
+            else ""
+        )
+        raise click.ClickException(f"message {message_id}: {outcome.why}{queued}")
     click.echo(f"message {message_id}: {outcome.why}")

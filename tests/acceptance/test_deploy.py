@@ -438,6 +438,8 @@ def _base_guard() -> str:
         ("python:3.11-slim@sha256:" + "0" * 64, "", False),
         ("python@sha256:" + "ab" * 32, "", False),
         ("python:3.11-slim", "1", False),  # a local try, said out loud
+        ("python:3.11-slim", "0", True),  # any other value is no
+        ("python:3.11-slim", "false", True),
     ],
 )
 def test_the_build_refuses_a_base_image_not_pinned_by_digest(image, allow, refused):

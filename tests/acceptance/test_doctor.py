@@ -350,6 +350,7 @@ def test_send_test_without_a_relay_times_out_naming_the_state(postgres_backend):
     assert ": pending" in done.stdout
     [error] = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert "timed out after 1 s waiting for a relay to send it (none is running)" in error
+    assert "it stays queued" in error  # a retrying script queues one test message a try
 
 
 @pytest.mark.parametrize(
@@ -357,6 +358,8 @@ def test_send_test_without_a_relay_times_out_naming_the_state(postgres_backend):
     [
         (["--to", "not an address", "--from", IDENTITY], "--to"),
         (["--to", SIMULATOR, "--from", "nobody"], "--from"),
+        (["--to", SIMULATOR, "--from", IDENTITY, "--wait", "nan"], "--wait"),  # for ever
+        (["--to", SIMULATOR, "--from", IDENTITY, "--wait", "inf"], "--wait"),
     ],
 )
 def test_send_test_refuses_a_bad_address_naming_the_flag(postgres_backend, args, flag):
