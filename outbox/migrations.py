@@ -28,6 +28,7 @@ record what they applied, in different tables.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -246,6 +247,7 @@ def write_app_revision(config: Config, message: str = "outbox schema") -> Script
         rev_id(),
         message,
         head="head",
+        config=config,  # what `alembic revision` gives a template too
         imports=(
             "from outbox.migrations import run_outbox_revisions\n\n"
             "# the sqlalchemy-outbox revisions this one applies (outbox-relay alembic-revision)\n"
@@ -254,14 +256,51 @@ def write_app_revision(config: Config, message: str = "outbox schema") -> Script
         upgrades=f'run_outbox_revisions({_CARRIES}, "upgrade")',
         downgrades=f'run_outbox_revisions({_CARRIES}, "downgrade")',
     )
-    if written is None or _CARRIES not in Path(written.path).read_text():
+    if written is None or not _carries(Path(written.path), missing):
         if written is not None:
             Path(written.path).unlink()
         raise CommandError(
-            "your script.py.mako has no ${imports}, ${upgrades} or ${downgrades}: the outbox "
-            "revision could not be written into it"
+            "your script.py.mako does not write ${imports}, ${upgrades} and ${downgrades} into "
+            "upgrade() and downgrade() (a multi-database template?): nothing was written; add "
+            "a revision by hand whose upgrade() and downgrade() call "
+            f"run_outbox_revisions({names}, 'upgrade' / 'downgrade')"
         )
     return written
+
+
+def _carries(path: Path, revisions: list[str]) -> bool:
+    """Whether the revision file at ``path`` says it carries ``revisions`` and both its
+    ``upgrade`` and ``downgrade`` run them: a template that dropped a slot would otherwise
+    write a revision claiming them that applies nothing."""
+    tree = ast.parse(path.read_text())
+    declared = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == _CARRIES for t in node.targets)
+    ]
+    if len(declared) != 1 or ast.literal_eval(declared[0]) != tuple(revisions):
+        return False
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for direction in ("upgrade", "downgrade"):
+        function = functions.get(direction)
+        if function is None or not any(_runs(node, direction) for node in ast.walk(function)):
+            return False
+    return True
+
+
+def _runs(node: ast.AST, direction: str) -> bool:
+    """``node`` is ``run_outbox_revisions(outbox_revisions, "<direction>")``."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "run_outbox_revisions"
+        and len(node.args) == 2
+        and isinstance(node.args[0], ast.Name)
+        and node.args[0].id == _CARRIES
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value == direction
+    )
 
 
 def _applied(conn: sa.Connection) -> set[str]:

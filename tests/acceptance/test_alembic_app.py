@@ -467,8 +467,9 @@ def test_a_database_migrated_standalone_is_handed_over_to_the_apps_alembic_as_it
     assert (
         "FAILED: the outbox schema of this database was created by `outbox-relay migrate` (its "
         "revisions are in outbox_alembic_version: outbox_0003); to carry it on in your alembic, "
-        "run `alembic stamp outbox_0003` and drop the table outbox_alembic_version, then "
-        "`alembic upgrade heads` again"
+        "run `alembic stamp outbox_0003` (the outbox as a branch of its own) or `alembic stamp "
+        "<your revision carrying them>` (on your branch: outbox-relay alembic-revision), drop "
+        "the table outbox_alembic_version, then upgrade again"
     ) in output
     project.alembic("stamp", "outbox_0003")
     engine = sa.create_engine(app_url)
@@ -631,3 +632,56 @@ def test_alembic_revision_refuses_a_history_that_carries_the_outbox_as_a_branch(
     assert "Multiple head revisions are present" in failed.stderr
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "Multiple head revisions are present for given argument 'head'" in readme
+
+
+def test_alembic_revision_refuses_a_template_that_would_drop_the_outbox_calls(tmp_path):
+    """alembic's multi-database template renders upgrade_<engine>() bodies of its own: the
+    revision would claim the outbox revisions and apply none (and a second run would say all
+    is carried). Refused, nothing left behind."""
+    root = tmp_path / "app"
+    root.mkdir()
+    done = subprocess.run(
+        [ALEMBIC, "init", "-t", "multidb", "alembic"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    project = Project.__new__(Project)  # an existing directory: no second `alembic init`
+    project.root, project.url, project.pythonpath = root, "sqlite://", None
+    refused = outbox_relay(project, "alembic-revision")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert "does not write ${imports}, ${upgrades} and ${downgrades}" in line
+    assert list(project.versions.glob("*.py")) == []
+
+
+def test_a_standalone_schema_moves_onto_the_apps_branch_and_migrate_then_refuses(tmp_path):
+    """`outbox-relay migrate` first, then the app carries the outbox on its own branch: the
+    upgrade stops naming the stamp that hands it over, which works; afterwards `migrate`
+    refuses, naming alembic (it failed on "table outbox_messages already exists")."""
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    assert outbox_relay_migrate(url).returncode == 0
+    project = Project(tmp_path / "app", url)
+    configure_single_branch(project)
+    assert outbox_relay(project, "alembic-revision").returncode == 0
+    (carrier,) = project.new_revisions(set())
+    failed = subprocess.run(
+        [ALEMBIC, "upgrade", "head"], cwd=project.root, capture_output=True, text=True, check=False
+    )
+    assert failed.returncode != 0
+    assert "`alembic stamp <your revision carrying them>`" in failed.stdout + failed.stderr
+    project.alembic("stamp", carrier.name.split("_")[0])
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE outbox_alembic_version")
+    engine.dispose()
+    project.alembic("upgrade", "head")
+    assert schema(url)[2] == {carrier.name.split("_")[0]}
+
+    migrate = outbox_relay_migrate(url)
+    assert migrate.returncode == 2
+    assert "were created by your app's alembic" in migrate.stderr
+    assert "`alembic upgrade head`" in migrate.stderr

@@ -56,13 +56,23 @@ def _refuse_a_schema_recorded_elsewhere() -> None:
     bind = op.get_bind()
     standalone = context.version_table == STANDALONE_VERSION_TABLE
     other = APP_VERSION_TABLE if standalone else STANDALONE_VERSION_TABLE
-    if not sa.inspect(bind).has_table(other):
-        return
-    version = sa.table(other, sa.column("version_num"))
-    recorded = bind.execute(
-        sa.select(version.c.version_num).where(version.c.version_num.like("outbox%"))
-    )
-    applied = sorted(recorded.scalars())
+    inspector = sa.inspect(bind)
+    applied: list[str] = []
+    if inspector.has_table(other):
+        version = sa.table(other, sa.column("version_num"))
+        recorded = bind.execute(
+            sa.select(version.c.version_num).where(version.c.version_num.like("outbox%"))
+        )
+        applied = sorted(recorded.scalars())
+    if not applied and standalone and inspector.has_table("outbox_messages"):
+        # recorded by no outbox_* revision: the app's own revisions carry the outbox
+        # (outbox-relay alembic-revision)
+        raise ConfigurationError(
+            "--database-url",
+            "the outbox tables of this database were created by your app's alembic: keep "
+            "them up to date with `alembic upgrade head` (run `outbox-relay alembic-revision` "
+            "after upgrading sqlalchemy-outbox), not outbox-relay migrate",
+        )
     if not applied:
         return
     if standalone:
@@ -75,8 +85,9 @@ def _refuse_a_schema_recorded_elsewhere() -> None:
     raise CommandError(
         "the outbox schema of this database was created by `outbox-relay migrate` (its "
         f"revisions are in {other}: {', '.join(applied)}); to carry it on in your alembic, "
-        f"run `alembic stamp {' '.join(applied)}` and drop the table {other}, then "
-        "`alembic upgrade heads` again"
+        f"run `alembic stamp {' '.join(applied)}` (the outbox as a branch of its own) or "
+        "`alembic stamp <your revision carrying them>` (on your branch: outbox-relay "
+        f"alembic-revision), drop the table {other}, then upgrade again"
     )
 
 
