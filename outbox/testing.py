@@ -23,7 +23,9 @@ Then, in a test::
 Each test that uses ``outbox_messages`` or ``outbox_relay`` starts with an **empty outbox**:
 before the test's other fixtures run, the plugin deletes every outbox message (with its
 attempts) and every provider event from the ``outbox_engine``'s database, so the relay never
-sends an earlier test's mail. Point ``outbox_engine`` at a test database only; mark a test
+sends an earlier test's mail, and empties it again at the end of the session. It refuses (a
+usage error naming the database) one whose outbox holds mail enqueued before the session
+began, unless ``outbox_empty_database = true`` is set in the pytest configuration; mark a test
 ``@pytest.mark.outbox_keep`` to keep what is there. ``outbox_messages()`` sees only committed
 rows (it reads through its own connection) created after the test started.
 ``sender.sent_ids`` are the messages the fake sender accepted; ``sender.called_ids`` every
@@ -44,8 +46,10 @@ imported.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -127,9 +131,27 @@ else:
     _PYTEST = True
 
 if _PYTEST:
-    __all__ += ["outbox_engine", "outbox_messages", "outbox_relay", "pytest_configure"]
+    __all__ += [
+        "outbox_engine",
+        "outbox_messages",
+        "outbox_relay",
+        "pytest_addoption",
+        "pytest_configure",
+        "pytest_sessionfinish",
+    ]
 
     _USES_OUTBOX = frozenset({"outbox_messages", "outbox_relay"})
+    _EMPTY_ANY = "outbox_empty_database"
+    _session: dict[str, Any] = {"started": None, "engines": {}}
+
+    def pytest_addoption(parser: pytest.Parser) -> None:
+        parser.addini(
+            _EMPTY_ANY,
+            type="bool",
+            default=False,
+            help="let the outbox fixtures empty an outbox that holds messages from before "
+            "this test session (by default they refuse: it may not be a test database)",
+        )
 
     def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line(
@@ -137,16 +159,53 @@ if _PYTEST:
             "outbox_keep: do not empty the outbox before this test (the outbox plugin does "
             "for every test that uses outbox_messages or outbox_relay)",
         )
+        _session["started"] = datetime.now(UTC)
+
+    def pytest_sessionfinish(session: pytest.Session) -> None:
+        """Leave each outbox this session emptied as empty as it found it, so the next
+        session finds no message from before it."""
+        for engine in _session["engines"].values():
+            # the database may be gone with its fixture: nothing to leave then
+            with contextlib.suppress(Exception):
+                empty_outbox(engine)
+        _session["engines"] = {}
+
+    def _check_once(engine: sa.Engine, config: pytest.Config) -> None:
+        """Refuse, once per database and session, to empty an outbox that holds messages
+        enqueued before the session began: a development or shared database, not the test
+        database the fixtures are meant for (unless ``outbox_empty_database = true``)."""
+        key = engine.url.render_as_string(hide_password=False)
+        if key in _session["engines"]:
+            return
+        started = _session["started"] or datetime.now(UTC)
+        with engine.connect() as conn:
+            older = conn.execute(
+                sa.select(sa.func.count())
+                .select_from(messages)
+                .where(messages.c.created_at < started - timedelta(seconds=1))
+            ).scalar_one()
+        if older and not config.getini(_EMPTY_ANY):
+            where = engine.url.render_as_string(hide_password=True)
+            raise pytest.UsageError(
+                f"the outbox of {where} holds {older} message(s) enqueued before this test "
+                "session, and the outbox fixtures empty it before each test: point "
+                "outbox_engine at a test database, or set outbox_empty_database = true in "
+                "your pytest configuration to let them"
+            )
+        _session["engines"][key] = engine
 
     @pytest.fixture(autouse=True)
     def _outbox_starts_empty(request: pytest.FixtureRequest) -> None:
         """Empty the outbox before a test that uses the outbox fixtures. Autouse, so it runs
-        before the test's own fixtures, which may enqueue and commit."""
+        before the test's own function-scoped fixtures, which may enqueue and commit (mail a
+        fixture of a wider scope enqueued is emptied too)."""
         if not _USES_OUTBOX & set(request.fixturenames):
             return
+        engine = _prepared(request.getfixturevalue("outbox_engine"))
+        _check_once(engine, request.config)
         if request.node.get_closest_marker("outbox_keep") is not None:
             return
-        empty_outbox(_prepared(request.getfixturevalue("outbox_engine")))
+        empty_outbox(engine)
 
     def _last_id(engine: sa.Engine) -> int:
         with engine.connect() as conn:

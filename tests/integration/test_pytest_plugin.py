@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -15,6 +16,7 @@ from sqlalchemy.orm import sessionmaker
 
 from outbox import Email, Outbox, Status, migrations
 from outbox.schema import messages
+from outbox.sqlite import enable_savepoints
 from outbox.testing import EnqueuedMessage, enqueued_messages
 from relay.senders import Disabled, Permanent, Transient
 from relay.testing import FakeSender, RelayNotIdle, run_until_idle
@@ -142,6 +144,71 @@ def test_c_keeps_what_is_there(Session, outbox_engine, outbox_relay):
     )
     result = pytester.runpytest_subprocess("-W", "error", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3)
+
+
+CONFTEST_ON_A_SHARED_DATABASE = """
+import os
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import sessionmaker
+
+from app import ob
+
+@pytest.fixture(scope="session")
+def engine():
+    engine = sa.create_engine(os.environ["APP_DATABASE_URL"])
+    yield engine
+    engine.dispose()
+
+@pytest.fixture
+def outbox_engine(engine):
+    return engine
+
+@pytest.fixture
+def Session(engine):
+    Session = sessionmaker(engine, expire_on_commit=False)
+    ob.install(Session)
+    return Session
+"""
+
+
+def shared_database(tmp_path) -> tuple[str, int]:
+    """A database whose outbox holds real mail enqueued an hour ago (a development or shared
+    database), with the app's tables: its URL and the old message's id."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    engine = sa.create_engine(url)
+    enable_savepoints(engine)
+    migrations.upgrade(engine)
+    User.metadata.create_all(engine)
+    (old,) = enqueue(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(sa.update(messages).values(created_at=datetime.now(UTC) - timedelta(hours=1)))
+    engine.dispose()
+    return url, old
+
+
+def test_the_fixtures_refuse_to_empty_an_outbox_holding_mail_from_before_the_session(
+    pytester, tmp_path, monkeypatch
+):
+    """Emptying the outbox before each test is for test databases: one that holds mail
+    enqueued before the session began is refused (naming it, password masked), its mail kept;
+    `outbox_empty_database = true` lets it."""
+    url, old = shared_database(tmp_path)
+    monkeypatch.setenv("APP_DATABASE_URL", url)
+    pytester.makepyfile(
+        app=APP,
+        conftest=CONFTEST_ON_A_SHARED_DATABASE,
+        test_it="def test_it(outbox_messages):\n    assert outbox_messages() == []\n",
+    )
+    refused = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert refused.ret != 0
+    refused.stdout.fnmatch_lines(["*holds 1 message(s) enqueued before this test session*"])
+    assert [m.id for m in enqueued_messages(sa.create_engine(url))] == [old], "kept"
+
+    pytester.makeini("[pytest]\noutbox_empty_database = true\n")
+    allowed = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    allowed.assert_outcomes(passed=1)
+    assert enqueued_messages(sa.create_engine(url)) == []
 
 
 def test_a_failing_expectation_fails_the_host_test(pytester):
