@@ -11,9 +11,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import click
 import sqlalchemy as sa
@@ -46,6 +47,8 @@ from relay.senders.file import FileSender
 from relay.senders.smtp import DEFAULT_SECURITY, SECURITY_MODES, SmtpSender, SmtpSettings
 from relay.wakeup import Listener
 from relay.worker import Relay
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
     "alembic_revision",
@@ -268,6 +271,52 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
     return SmtpSender(settings)
 
 
+def _smtp_options(timeout_help: str) -> Callable[[_F], _F]:
+    """The ``--smtp-*`` options, as ``run`` and ``doctor`` both take them."""
+
+    def apply(command: _F) -> _F:
+        for decorate in reversed(
+            [
+                option("--smtp-host", default=None, help="SMTP server, with --sender smtp."),
+                option(
+                    "--smtp-port",
+                    type=int,
+                    default=None,
+                    help="SMTP port [default: 465 for ssl, else 587].",
+                ),
+                option(
+                    "--smtp-security",
+                    type=click.Choice(SECURITY_MODES, case_sensitive=False),
+                    default=DEFAULT_SECURITY,
+                    help="How the SMTP connection is encrypted.",
+                ),
+                option(
+                    "--smtp-username", default=None, help="SMTP user, if the server needs AUTH."
+                ),
+                option(
+                    "--smtp-password",
+                    default=None,
+                    show_default=False,
+                    callback=warn_secret_flag,
+                    help="SMTP password (better as OUTBOX_SMTP_PASSWORD: a flag shows in the "
+                    "process list).",
+                ),
+                option(
+                    "--smtp-allow-cleartext-login",
+                    is_flag=True,
+                    default=False,
+                    help="Allow the SMTP login over --smtp-security none (a server on a trusted "
+                    "network).",
+                ),
+                option("--smtp-timeout", type=float, default=None, help=timeout_help),
+            ]
+        ):
+            command = decorate(command)
+        return command
+
+    return apply
+
+
 @main.command()
 @database_url
 @option(
@@ -289,34 +338,8 @@ def _smtp_sender(config: RelayConfig, options: dict[str, Any]) -> Sender:
     default=None,
     help="SES configuration set for mail that names none (events, dedicated IPs).",
 )
-@option("--smtp-host", default=None, help="SMTP server, with --sender smtp.")
-@option("--smtp-port", type=int, default=None, help="SMTP port [default: 465 for ssl, else 587].")
-@option(
-    "--smtp-security",
-    type=click.Choice(SECURITY_MODES, case_sensitive=False),
-    default=DEFAULT_SECURITY,
-    help="How the SMTP connection is encrypted.",
-)
-@option("--smtp-username", default=None, help="SMTP user, if the server needs AUTH.")
-@option(
-    "--smtp-password",
-    default=None,
-    show_default=False,
-    callback=warn_secret_flag,
-    help="SMTP password (better as OUTBOX_SMTP_PASSWORD: a flag shows in the process list).",
-)
-@option(
-    "--smtp-allow-cleartext-login",
-    is_flag=True,
-    default=False,
-    help="Allow the SMTP login over --smtp-security none (a server on a trusted network).",
-)
-@option(
-    "--smtp-timeout",
-    type=float,
-    default=None,
-    help="Seconds each SMTP connect and read may take; at most --send-timeout "
-    "[default: --send-timeout].",
+@_smtp_options(
+    "Seconds each SMTP connect and read may take; at most --send-timeout [default: --send-timeout]."
 )
 @option("--concurrency", type=int, default=8, help="Sends in flight at once (threads).")
 @option("--batch-size", type=int, default=50, help="Most messages claimed per statement.")
@@ -718,34 +741,7 @@ def _smtp_probe(options: dict[str, Any]) -> tuple[Any, str]:
     default=None,
     help="SES configuration set the relay sends with: it must exist and publish to the queue.",
 )
-@option("--smtp-host", default=None, help="SMTP server, with --sender smtp.")
-@option("--smtp-port", type=int, default=None, help="SMTP port [default: 465 for ssl, else 587].")
-@option(
-    "--smtp-security",
-    type=click.Choice(SECURITY_MODES, case_sensitive=False),
-    default=DEFAULT_SECURITY,
-    help="How the SMTP connection is encrypted.",
-)
-@option("--smtp-username", default=None, help="SMTP user, if the server needs AUTH.")
-@option(
-    "--smtp-password",
-    default=None,
-    show_default=False,
-    callback=warn_secret_flag,
-    help="SMTP password (better as OUTBOX_SMTP_PASSWORD: a flag shows in the process list).",
-)
-@option(
-    "--smtp-allow-cleartext-login",
-    is_flag=True,
-    default=False,
-    help="Allow the SMTP login over --smtp-security none (a server on a trusted network).",
-)
-@option(
-    "--smtp-timeout",
-    type=float,
-    default=None,
-    help="Seconds the SMTP connect and each read may take [default: 10].",
-)
+@_smtp_options("Seconds the SMTP connect and each read may take [default: 10].")
 @option(
     "--events-queue-url",
     default=None,
