@@ -112,6 +112,14 @@ class _Telemetry:
         self._dropped = False
 
     def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job``; never raises (it runs on send threads and in the loop's
+        transaction, after the provider answered: a span must not cost that answer)."""
+        try:
+            self._submit(job)
+        except Exception:
+            _failed()
+
+    def _submit(self, job: Callable[[], None]) -> None:
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
@@ -163,10 +171,14 @@ class Attempt:
     the send, noting its times and outcome for the telemetry thread, which makes the span;
     ``context`` is then the span's, for the ``outbox settle`` span of its save to link to."""
 
-    __slots__ = ("carrier", "context", "message")
+    __slots__ = ("attempt", "carrier", "category", "context", "id")
 
     def __init__(self, message: OutgoingMessage, carrier: Carrier | None) -> None:
-        self.message = message
+        # the few values the span names, not the message: a queue of spans waiting for a
+        # stalled exporter must not hold thousands of emails and their attachments
+        self.id = message.id
+        self.category = message.category
+        self.attempt = message.attempt
         self.carrier = carrier
         self.context: trace.SpanContext | None = None
 
@@ -195,7 +207,6 @@ class Attempt:
             enqueued = trace.get_current_span(_PROPAGATOR.extract(self.carrier))
             if (linked := enqueued.get_span_context()).is_valid:
                 links.append(trace.Link(linked))
-        message = self.message
         span = _tracer.start_span(
             "outbox process",
             context=_root(),
@@ -206,10 +217,10 @@ class Attempt:
                 "messaging.system": "outbox",
                 "messaging.operation.type": "process",
                 "messaging.operation.name": "process",
-                "messaging.destination.name": message.category,
-                "messaging.message.id": str(message.id),
-                "outbox.category": message.category,
-                "outbox.attempt": message.attempt,
+                "messaging.destination.name": self.category,
+                "messaging.message.id": str(self.id),
+                "outbox.category": self.category,
+                "outbox.attempt": self.attempt,
             },
         )
         self.context = span.get_span_context()
@@ -272,7 +283,7 @@ def _emit_settle(
     exc: BaseException | None,
 ) -> None:
     links = [  # the attempts' spans were made before: they were queued first
-        trace.Link(attempt.context, {"messaging.message.id": str(attempt.message.id)})
+        trace.Link(attempt.context, {"messaging.message.id": str(attempt.id)})
         for attempt in attempts
         if attempt is not None and attempt.context is not None and attempt.context.is_valid
     ]

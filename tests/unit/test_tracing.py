@@ -3,6 +3,8 @@ all when OpenTelemetry is off."""
 
 from __future__ import annotations
 
+import gc
+import threading
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from outbox import Email
 from outbox import tracing as app_tracing
 from outbox.message import TRACE_KEY
 from relay import tracing as relay_tracing
+from relay.senders import Accepted, OutgoingMessage
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -130,3 +133,33 @@ def test_from_payload_leaves_the_trace_context_out_whatever_it_holds(stored):
 )
 def test_the_stored_context_is_bounded(carrier, stored):
     assert app_tracing._bounded(carrier) == stored
+
+
+def _outgoing() -> OutgoingMessage:
+    email = Email(sender="shop@example.com", to=["a@example.com"], subject="Hi", text="x" * 10_000)
+    return OutgoingMessage(id=7, key="k", category="default", attempt=1, email=email)
+
+
+def test_an_attempt_waiting_for_its_span_holds_no_email():
+    """Spans wait in a queue when an exporter stalls: each must not keep its email (1 MB
+    attachments, thousands of them) alive."""
+    message = _outgoing()
+    attempt = relay_tracing.Attempt(message, {"traceparent": PARENT})
+    assert message not in gc.get_referents(attempt)
+    assert message.email not in gc.get_referents(attempt)
+    assert (attempt.id, attempt.category, attempt.attempt) == (7, "default", 1)
+
+
+def test_a_span_that_cannot_be_queued_never_costs_the_send_its_answer(monkeypatch):
+    """Queueing the span runs after the provider answered: if it fails (no thread can be
+    started, the interpreter shutting down), the answer is still returned."""
+    telemetry = relay_tracing._Telemetry()
+    monkeypatch.setattr(relay_tracing, "_telemetry", telemetry)
+
+    def cannot_start(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    accepted = Accepted(provider_message_id="p-7")
+    send = relay_tracing.Attempt(_outgoing(), None).run(lambda: (accepted, 0.01))
+    assert send() == (accepted, 0.01)
