@@ -401,6 +401,8 @@ class Relay:
                         lease_seconds=self.config.lease_seconds,
                     )
                     self._accept(conn, claims, now)
+                    if due_before and len(claims) + len(expired) < limit:
+                        due_before = self._unheld(conn, due_before, now)
                 wave = self._admit(conn)
                 admitted = len(wave)
                 wave, barred = self._screen(conn, wave, now)
@@ -444,10 +446,24 @@ class Relay:
             self._probe_found_nothing = not (claims or self._ready or wave)
             if self._probe_found_nothing:
                 self.pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
-        elif limit > 0 and len(claims) + len(expired) < limit:
+        elif due_before and limit > 0 and len(claims) + len(expired) < limit:
             self._retire_unprobed(due_before)
         self._start(wave, marked, now)
         return bool(batch or claims or expired or admitted)
+
+    def _unheld(self, conn: sa.Connection, due: list[Scope], now: datetime) -> list[Scope]:
+        """Of the scoped pauses ``due`` to end (this relay's claim found none of their mail),
+        those no other relay may be holding mail of: all of them while this relay runs
+        alone; with others running (each holds what it claimed, and skips what another has
+        locked), only those idle for ten pause periods, at least ten minutes, so that a pause
+        nothing is left to probe still ends, and mail another relay held is tried at most once
+        a while (a refusal pauses it again)."""
+        since = now - timedelta(seconds=3 * self.config.heartbeat_interval)
+        running, _ = store.live_heartbeats(conn, since=since)
+        if running <= 1:
+            return due
+        patience = max(600.0, 10 * self.pauses.seconds)
+        return [s for s in due if self.pauses.idle_for(s) > patience]
 
     def _retire_unprobed(self, due: list[Scope]) -> None:
         """End the scoped pauses that were due a probe before a claim that took every due

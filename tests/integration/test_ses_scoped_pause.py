@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from outbox.schema import attempts
+from outbox.schema import attempts, messages, relays
 from relay.config import RelayConfig
 from relay.pause import ACCOUNT, Scope, ScopeKind, identity
 from relay.senders import Accepted, Disabled, OutgoingMessage
@@ -516,3 +516,63 @@ def test_a_pause_that_still_holds_mail_is_not_ended_by_a_claim_cut_short_by_expi
     assert all(gap > 0.6 for gap in gaps), f"a burst into the paused identity: {tried}"
     got = message_rows(backend.engine)
     assert all(got[i].status == "pending" and got[i].attempt_count == 0 for i in ids)
+
+
+def test_a_pause_is_kept_while_another_live_relay_may_hold_its_mail(server_backend):
+    """Another replica (a live row in outbox_relays) holds the paused sender's rows (locked:
+    this relay's claim skips them and finds none of its mail). Alone, that would end the
+    pause; beside a live relay it must not, or this relay sends that mail in one burst into
+    the paused identity the moment the other lets go."""
+    backend = server_backend
+    denied = Scope(ScopeKind.IDENTITY, "bad@x.example")
+    held = enqueue(backend.engine, [email(n, short=True, sender="bad@x.example") for n in range(3)])
+    tried: list[int] = []
+
+    def answer(m: OutgoingMessage):
+        tried.append(m.id)
+        return Disabled(code="identity_denied", pause=True, scope=denied)
+
+    config = RelayConfig(
+        database_url=backend.url,
+        sender="fake",
+        relay_id="this-one",
+        poll_interval=0.05,
+        pause_seconds=0.3,
+        send_timeout=2.0,
+        lease_seconds=10.0,
+        drain_seconds=2.0,
+    )
+    relay = Relay(engine=backend.engine, sender=FakeSender(answer), config=config)
+    with running(relay):
+        wait_for(lambda: relay.pauses.paused(denied), timeout=10)
+        with backend.engine.connect() as other:  # the other replica, alive, holding the rows
+            other.execute(
+                sa.insert(relays).values(
+                    relay_id="the-other",
+                    host="elsewhere",
+                    pid=1,
+                    started_at=sa.func.now(),
+                    heartbeat_at=sa.func.now(),
+                    state="running",
+                )
+            )
+            other.commit()
+            other.execute(
+                sa.select(messages.c.id).where(messages.c.id.in_(held)).with_for_update()
+            ).all()
+            before = len(tried)
+            for _ in range(30):  # 3 s: ten times the pause, seven times the grace
+                time.sleep(0.1)
+                with backend.engine.begin() as beat:
+                    beat.execute(
+                        sa.update(relays)
+                        .where(relays.c.relay_id == "the-other")
+                        .values(heartbeat_at=sa.func.now())
+                    )
+            assert relay.pauses.paused(denied), "ended while another relay held its mail"
+            assert len(tried) == before  # nothing of it could be claimed meanwhile
+            other.rollback()
+        wait_for(lambda: len(tried) > before, timeout=10)  # let go: probed, once a period
+        time.sleep(1.0)
+    first = tried[before:]
+    assert len(first) <= 1 + 1.0 / 0.3 + 1, f"a burst into the paused identity: {first}"
