@@ -112,13 +112,19 @@ def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedM
     ]
 
 
-def empty_outbox(engine: sa.Engine) -> None:
+def empty_outbox(engine: sa.Engine, *, after_id: int | None = None) -> None:
     """Delete every outbox message, its attempts and every provider event on ``engine``'s
-    database, in one transaction: a test database's outbox as a new one. Suppressions, the
+    database, in one transaction: a test database's outbox as a new one. With ``after_id``,
+    only the messages with a higher id, and their attempts and events. Suppressions, the
     relays' rows and the operators' log are kept."""
     with engine.begin() as conn:
-        for table in (attempts, events, messages):  # attempts reference messages
-            conn.execute(sa.delete(table))
+        if after_id is None:
+            for table in (attempts, events, messages):  # attempts reference messages
+                conn.execute(sa.delete(table))
+            return
+        conn.execute(sa.delete(attempts).where(attempts.c.message_id > after_id))
+        conn.execute(sa.delete(events).where(events.c.message_id > after_id))
+        conn.execute(sa.delete(messages).where(messages.c.id > after_id))
 
 
 try:
@@ -162,21 +168,24 @@ if _PYTEST:
         _session["started"] = datetime.now(UTC)
 
     def pytest_sessionfinish(session: pytest.Session) -> None:
-        """Leave each outbox this session emptied as empty as it found it, so the next
-        session finds no message from before it."""
-        for engine in _session["engines"].values():
+        """Leave each outbox as this session found it, so the next session finds no message
+        from before it: the messages it saw enqueued are deleted."""
+        for engine, first in _session["engines"].values():
             # the database may be gone with its fixture: nothing to leave then
             with contextlib.suppress(Exception):
-                empty_outbox(engine)
+                empty_outbox(engine, after_id=first)
         _session["engines"] = {}
 
-    def _check_once(engine: sa.Engine, config: pytest.Config) -> None:
-        """Refuse, once per database and session, to empty an outbox that holds messages
-        enqueued before the session began: a development or shared database, not the test
-        database the fixtures are meant for (unless ``outbox_empty_database = true``)."""
+    def _check_once(engine: sa.Engine, config: pytest.Config) -> int:
+        """The id above which the fixtures may delete messages on this database: checked
+        once a session. An outbox holding messages enqueued before the session began is a
+        development or shared database, not the test database the fixtures are meant for: it
+        is refused unless ``outbox_empty_database = true`` (then emptied once). The messages
+        there when first checked (a wider-scoped fixture's) are never deleted; ids only
+        grow, whatever the app's clock says."""
         key = engine.url.render_as_string(hide_password=False)
         if key in _session["engines"]:
-            return
+            return int(_session["engines"][key][1])
         started = _session["started"] or datetime.now(UTC)
         with engine.connect() as conn:
             older = conn.execute(
@@ -192,20 +201,25 @@ if _PYTEST:
                 "outbox_engine at a test database, or set outbox_empty_database = true in "
                 "your pytest configuration to let them"
             )
-        _session["engines"][key] = engine
+        if older:
+            empty_outbox(engine)
+        first = _last_id(engine)
+        _session["engines"][key] = (engine, first)
+        return first
 
     @pytest.fixture(autouse=True)
     def _outbox_starts_empty(request: pytest.FixtureRequest) -> None:
-        """Empty the outbox before a test that uses the outbox fixtures. Autouse, so it runs
-        before the test's own function-scoped fixtures, which may enqueue and commit (mail a
-        fixture of a wider scope enqueued is emptied too)."""
+        """Empty the outbox of what this session enqueued before a test that uses the outbox
+        fixtures. Autouse, so it runs before the test's own function-scoped fixtures, which
+        may enqueue and commit (mail a wider-scoped fixture enqueued after the first check is
+        emptied too)."""
         if not _USES_OUTBOX & set(request.fixturenames):
             return
         engine = _prepared(request.getfixturevalue("outbox_engine"))
-        _check_once(engine, request.config)
+        first = _check_once(engine, request.config)
         if request.node.get_closest_marker("outbox_keep") is not None:
             return
-        empty_outbox(engine)
+        empty_outbox(engine, after_id=first)
 
     def _last_id(engine: sa.Engine) -> int:
         with engine.connect() as conn:

@@ -179,7 +179,8 @@ def shared_database(tmp_path) -> tuple[str, int]:
     engine = sa.create_engine(url)
     enable_savepoints(engine)
     migrations.upgrade(engine)
-    User.metadata.create_all(engine)
+    with engine.begin() as conn:  # the app's table (APP's User)
+        conn.exec_driver_sql("CREATE TABLE users (id INTEGER PRIMARY KEY, email VARCHAR(255))")
     (old,) = enqueue(engine, 1)
     with engine.begin() as conn:
         conn.execute(sa.update(messages).values(created_at=datetime.now(UTC) - timedelta(hours=1)))
@@ -209,6 +210,38 @@ def test_the_fixtures_refuse_to_empty_an_outbox_holding_mail_from_before_the_ses
     allowed = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     allowed.assert_outcomes(passed=1)
     assert enqueued_messages(sa.create_engine(url)) == []
+
+
+def test_mail_there_before_the_first_check_is_never_deleted_whatever_its_clock_says(
+    pytester, tmp_path, monkeypatch
+):
+    """A real message stamped two minutes ahead (an app host whose clock runs fast, or a
+    frozen clock) is not caught by the time check: it is still never deleted, because the
+    fixtures delete only messages with an id above the highest they first saw."""
+    url, old = shared_database(tmp_path)
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(messages).values(created_at=datetime.now(UTC) + timedelta(minutes=2))
+        )
+    monkeypatch.setenv("APP_DATABASE_URL", url)
+    pytester.makepyfile(
+        app=APP,
+        conftest=CONFTEST_ON_A_SHARED_DATABASE,
+        test_it="""
+from app import sign_up
+
+def test_one(Session, outbox_messages):
+    sign_up(Session, "ada@example.com")
+    assert len(outbox_messages()) == 1
+
+def test_two(Session, outbox_messages):
+    assert outbox_messages() == []
+""",
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    assert [m.id for m in enqueued_messages(engine)] == [old], "the session's own were emptied"
+    engine.dispose()
 
 
 def test_a_failing_expectation_fails_the_host_test(pytester):
