@@ -13,7 +13,6 @@ change back.
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import getpass
 import json
 import os
@@ -51,6 +50,7 @@ from relay import store
 from relay.cli_options import database_url, first_line, open_database, option
 from relay.clock import read_database_time
 from relay.formats import plain, utc_iso
+from relay.recipients import address_key
 
 __all__ = [
     "CHANGE_BATCH",
@@ -1580,7 +1580,7 @@ def _suppressed_address(text: str) -> str:
     :func:`outbox.message.validate_address` gives (a display name dropped), lower-cased, as
     the relay compares recipients before a send."""
     canonical = validate_address(text, "address")
-    return email.utils.parseaddr(canonical)[1].lower()
+    return address_key(canonical)
 
 
 def _addresses(values: Iterable[str]) -> list[str]:

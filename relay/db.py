@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine", "masked_url"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "READ_COMMITTED",
+    "READ_TIMEOUT",
+    "blames_the_row",
+    "is_outage",
+    "make_engine",
+    "masked_url",
+    "retry_delay",
+]
 
 READ_COMMITTED = "READ COMMITTED"
 CONNECT_TIMEOUT = 10  # seconds; see make_engine
@@ -69,3 +79,28 @@ def masked_url(url: str | sa.URL) -> str:
         for name, value in parsed.query.items()
     }
     return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+
+
+def is_outage(exc: sa.exc.DBAPIError) -> bool:
+    """A database error that says nothing about the statement (the server is gone, the
+    connection broke, a deadlock or a lock wait ended the transaction): try it all again.
+    The relay loop's rule: anything else is its statement's own fault."""
+    return exc.connection_invalidated or isinstance(
+        exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.InternalError
+    )
+
+
+def blames_the_row(exc: sa.exc.DBAPIError) -> bool:
+    """A value the database will not store (a data or integrity error on a live connection).
+    The intake's rule: only such an error is an event's fault; anything else, a missing
+    table or grant included, retries the whole batch, so a schema or permission mistake
+    never sends good events to the dead-letter queue."""
+    return not exc.connection_invalidated and isinstance(
+        exc, sa.exc.DataError | sa.exc.IntegrityError
+    )
+
+
+def retry_delay(failures: int, rng: random.Random, *, cap: float = 30.0) -> float:
+    """Jittered exponential wait after ``failures`` failures in a row, at most ``cap``
+    seconds: replicas failing together do not retry in step."""
+    return min(cap, 0.25 * 2.0 ** min(failures, 8)) * rng.uniform(0.5, 1.0)

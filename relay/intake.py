@@ -81,7 +81,9 @@ from outbox.schema import (
 )
 from relay import signals
 from relay.clock import read_database_time
+from relay.db import blames_the_row, retry_delay
 from relay.events import SesEvent, parse
+from relay.recipients import address_key
 
 __all__ = [
     "ACTOR",
@@ -341,16 +343,8 @@ def recipients_of(conn: sa.Connection, message_id: int) -> frozenset[str]:
             field = [field]
         if not isinstance(field, list):
             continue
-        addresses.update(_addr_spec(a) for a in field if isinstance(a, str))
+        addresses.update(address_key(a) for a in field if isinstance(a, str))
     return frozenset(addresses)
-
-
-def _addr_spec(address: str) -> str:
-    """The lower-cased addr-spec of a canonical address (``a@x.com``, or ``Name <a@x.com>``
-    as :class:`~outbox.Email` stores it)."""
-    if address.endswith(">") and "<" in address:
-        address = address[address.rindex("<") + 1 : -1]
-    return address.strip().lower()
 
 
 def _insert_unless_present(
@@ -683,17 +677,6 @@ def _apply_one(
     )
 
 
-def _is_outage(exc: sa.exc.DBAPIError) -> bool:
-    """Whether ``exc`` is not this event's fault: anything but a value the database will not
-    store (a data or integrity error on a live connection). A lost server, a deadlock, a lock
-    wait, but also a missing table or a missing grant: the whole batch is retried and nothing
-    is deleted, so a schema or permission mistake never sends good events to the dead-letter
-    queue."""
-    if exc.connection_invalidated:
-        return True
-    return not isinstance(exc, sa.exc.DataError | sa.exc.IntegrityError)
-
-
 def apply_events(
     conn: sa.Connection,
     batch: Sequence[SesEvent],
@@ -725,7 +708,7 @@ def apply_events(
             with conn.begin_nested():
                 applied = _apply_one(conn, event, now, actor, intake_id, topic_arn)
         except sa.exc.DBAPIError as exc:
-            if _is_outage(exc):
+            if not blames_the_row(exc):
                 raise
             _log.error(
                 "the database refused an event; left on the queue: %s",
@@ -865,7 +848,7 @@ def apply_deferred(
                 with conn.begin_nested():
                     applied = _apply_deferred_one(conn, found, now, actor)
             except sa.exc.DBAPIError as exc:
-                if _is_outage(exc):
+                if not blames_the_row(exc):
                     raise
                 _log.error(
                     "the database refused a deferred event's effect; left deferred: %s",
@@ -1262,7 +1245,7 @@ class Intake:
     def backoff(self) -> float:
         """Jittered exponential, 0.5 s to 30 s: replicas failing together do not retry in
         step."""
-        return min(30.0, 0.25 * 2.0 ** min(self._failures, 8)) * self._rng.uniform(0.5, 1.0)
+        return retry_delay(self._failures, self._rng)
 
     def step(self) -> int:
         """One pass: receive up to :data:`MAX_MESSAGES` (long poll), apply them in one

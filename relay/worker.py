@@ -41,10 +41,11 @@ from outbox.schema import AttemptOutcome, RelayState
 from relay import signals, store, tracing
 from relay.clock import DatabaseClock
 from relay.config import RelayConfig, valid_send_rate
-from relay.db import READ_COMMITTED, masked_url
+from relay.db import READ_COMMITTED, is_outage, masked_url, retry_delay
 from relay.pause import ACCOUNT, Admission, Pauses, Scope, ScopeKind, identity
 from relay.policy import Action, Decision, decide
 from relay.ratelimit import RateController, SendBudget, Slot
+from relay.recipients import address_key
 from relay.senders import (
     Accepted,
     Ambiguous,
@@ -129,15 +130,6 @@ class _Done:
     recorded: AttemptOutcome | None = None  # the attempt's outcome when no call was made
     dropped: tuple[str, ...] = ()  # suppressed recipients not sent to
     trace: tracing.Attempt | None = None  # the attempt's span, linked from its save's
-
-
-def _is_outage(exc: sa.exc.DBAPIError) -> bool:
-    """A database error that says nothing about the statement (the server is gone, the
-    connection broke, a deadlock or a lock wait ended the transaction): try it all again.
-    Anything else (an integrity or data error) is this statement's own fault."""
-    return exc.connection_invalidated or isinstance(
-        exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.InternalError
-    )
 
 
 def _scopes(email: Email) -> tuple[Scope, ...]:
@@ -413,7 +405,7 @@ class Relay:
                     )
                     marked.update(((id_, token), at) for id_ in stamped)
         except sa.exc.DBAPIError as exc:
-            if _is_outage(exc):
+            if is_outage(exc):
                 # The commit may have applied unseen: what was claimed stays queued, to be
                 # marked under its claim token next time (a claim that did not commit finds
                 # no row then, and nothing is sent).
@@ -494,14 +486,14 @@ class Relay:
                     with self._transaction() as conn:
                         applied = self._save(conn, [done], now)
                 except sa.exc.DBAPIError as exc:
-                    if _is_outage(exc):
+                    if is_outage(exc):
                         raise
                     self._log_unsaved(done, exc, "its attempt row cannot be written")
                     with self._transaction() as conn:
                         applied = self._save(conn, [done], now, attempts=False)
                     self._set_aside(done)
             except sa.exc.DBAPIError as exc:
-                if _is_outage(exc):
+                if is_outage(exc):
                     raise  # the rest stay where they are, for the next pass
                 first = done not in self._stuck
                 self._remove(done)
@@ -651,7 +643,7 @@ class Relay:
         if not wave:
             return wave, []
         suppressed = store.suppressed_among(
-            conn, (_addr_spec(a) for ready, _ in wave for a in ready.email.recipients)
+            conn, (address_key(a) for ready, _ in wave for a in ready.email.recipients)
         )
         if not suppressed:
             return wave, []
@@ -660,12 +652,12 @@ class Relay:
         for ready, slot in wave:
             email = ready.email
             dropped = tuple(
-                dict.fromkeys(a for a in map(_addr_spec, email.recipients) if a in suppressed)
+                dict.fromkeys(a for a in map(address_key, email.recipients) if a in suppressed)
             )
             if not dropped:
                 kept.append((ready, slot))
                 continue
-            if all(_addr_spec(a) in suppressed for a in email.recipients):
+            if all(address_key(a) in suppressed for a in email.recipients):
                 decision = Decision(
                     action=Action.FAIL,
                     code="suppressed",
@@ -860,7 +852,7 @@ class Relay:
             with self._transaction() as conn:
                 applied = self._save(conn, batch, now)
         except sa.exc.DBAPIError as exc:
-            if _is_outage(exc):
+            if is_outage(exc):
                 raise
             self._save_alone(batch, now)  # one that cannot be saved never holds back the rest
             return True
@@ -1002,7 +994,7 @@ class Relay:
                 confirmed = store.resolve_confirmed(conn, now=now, relay_id=self.relay_id)
                 requeued = store.reconcile_unknown(conn, now=now, relay_id=self.relay_id)
         except sa.exc.DBAPIError as exc:
-            if _is_outage(exc):
+            if is_outage(exc):
                 raise
             _log.error(
                 "reconcile failed: %s",
@@ -1328,7 +1320,7 @@ class Relay:
         """Jittered exponential, at most a heartbeat interval: after an outage every relay is
         back within one, before anyone's sweep (which waits two) can take its sends."""
         cap = min(30.0, self.config.heartbeat_interval)
-        return min(cap, 0.25 * 2.0 ** min(self._db_failures, 8)) * self._rng.uniform(0.5, 1.0)
+        return retry_delay(self._db_failures, self._rng, cap=cap)
 
     def _announce(
         self,
@@ -1451,16 +1443,8 @@ def _done_outcome(done: _Done) -> AttemptOutcome:
     return done.recorded if done.recorded is not None else _outcome_name(done.outcome)
 
 
-def _addr_spec(address: str) -> str:
-    """The lower-cased addr-spec of a canonical address (``a@x.com``, or ``Name <a@x.com>``
-    as :class:`~outbox.Email` stores it): the form ``outbox_suppressions`` keys on."""
-    if address.endswith(">"):
-        address = address[address.rindex("<") + 1 : -1]
-    return address.lower()
-
-
 def _without(addresses: Iterable[str], suppressed: set[str]) -> tuple[str, ...]:
-    return tuple(a for a in addresses if _addr_spec(a) not in suppressed)
+    return tuple(a for a in addresses if address_key(a) not in suppressed)
 
 
 def _attempt(done: _Done, relay_id: str, *, stale: bool) -> store.AttemptRecord:

@@ -81,7 +81,16 @@ EXPORTS = {
         "sender_from_env",
     ],
     "relay.worker": ["STUCK_RETRY", "Relay"],
-    "relay.db": ["CONNECT_TIMEOUT", "READ_COMMITTED", "READ_TIMEOUT", "make_engine", "masked_url"],
+    "relay.db": [
+        "CONNECT_TIMEOUT",
+        "READ_COMMITTED",
+        "READ_TIMEOUT",
+        "blames_the_row",
+        "is_outage",
+        "make_engine",
+        "masked_url",
+        "retry_delay",
+    ],
     "relay.http": ["Server", "start_http_server"],
     "relay.metrics": [
         "BUILT_IN_CATEGORIES",
