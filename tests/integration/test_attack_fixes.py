@@ -156,7 +156,7 @@ def test_an_event_in_flight_at_another_replica_keeps_the_row_held(
 def test_a_visibility_timeout_raised_after_start_keeps_a_failed_batch_unproven(
     backend: Backend, sqs_env: MotoSes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import relay.intake as module
+    import relay.intake.loop as module
 
     engine = backend.engine
     url = queue(sqs_env, "events", 1)

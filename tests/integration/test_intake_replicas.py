@@ -205,7 +205,7 @@ def test_no_proof_while_messages_this_process_was_handed_may_be_hidden(
     intake = scripted_intake(engine, client)
     wait_out_the_start(client)
     if failure == "database":
-        import relay.intake as module
+        import relay.intake.loop as module
 
         def refuse(*_a: Any, **_kw: Any) -> Any:
             raise sa.exc.OperationalError("apply", {}, Exception("server closed the connection"))

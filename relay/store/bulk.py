@@ -1,0 +1,181 @@
+"""The operator commands' statements on messages: the rows a :class:`Filter` means (listed,
+counted, their ids and statuses), one row with its attempts, the newest payloads, and the
+guarded bulk ``requeue`` and ``cancel``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox.schema import Status, attempts, messages
+from relay.store.finalize import _requeued_values
+
+__all__ = [
+    "Filter",
+    "cancel",
+    "cancel_many",
+    "count_messages",
+    "get_message",
+    "list_messages",
+    "message_ids",
+    "recent_payloads",
+    "requeue",
+    "requeue_many",
+    "statuses_of",
+]
+
+_m = messages
+_REQUEUEABLE = (Status.UNKNOWN_OUTCOME.value, Status.FAILED.value)
+_CANCELLABLE = (Status.PENDING.value, Status.RETRYING.value)
+
+
+def _change_many(
+    conn: sa.Connection, ids: Sequence[int], allowed: Sequence[str], values: dict[str, Any]
+) -> list[int]:
+    """One guarded, set-based UPDATE of the rows among ``ids`` still in an ``allowed``
+    status; the ids it changed, ascending. Without RETURNING (MariaDB) the rows are locked
+    first (``FOR UPDATE``), so none moves between the SELECT and the UPDATE; a claim skips
+    them (``SKIP LOCKED``) rather than wait."""
+    if not ids:
+        return []
+    guard = (_m.c.id.in_(ids), _m.c.status.in_(allowed))
+    if conn.dialect.update_returning:
+        changed = conn.execute(sa.update(_m).where(*guard).values(**values).returning(_m.c.id))
+        return sorted(changed.scalars())
+    locked = sorted(conn.execute(sa.select(_m.c.id).where(*guard).with_for_update()).scalars())
+    if locked:
+        conn.execute(sa.update(_m).where(_m.c.id.in_(locked), guard[1]).values(**values))
+    return locked
+
+
+def requeue_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
+    """unknown_outcome/failed -> pending, due now, with a fresh attempt budget; the ids
+    requeued (the others had moved on)."""
+    return _change_many(conn, ids, _REQUEUEABLE, _requeued_values(now))
+
+
+def cancel_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
+    """pending/retrying -> cancelled (a row being sent cannot be); the ids cancelled (the
+    others had been claimed or had moved on)."""
+    values = {"status": Status.CANCELLED.value, "updated_at": now}
+    return _change_many(conn, ids, _CANCELLABLE, values)
+
+
+def requeue(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:
+    """:func:`requeue_many` for one message."""
+    return requeue_many(conn, ids=[message_id], now=now) == [message_id]
+
+
+def cancel(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:
+    """:func:`cancel_many` for one message."""
+    return cancel_many(conn, ids=[message_id], now=now) == [message_id]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Filter:
+    """Which messages an operator command means. Empty fields match everything."""
+
+    ids: tuple[int, ...] = ()
+    statuses: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    key: str | None = None  # exact, or a prefix when it ends with '*'
+    created_before: datetime | None = None
+    created_after: datetime | None = None
+    changed_before: datetime | None = None
+
+
+def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
+    clauses: list[sa.ColumnElement[bool]] = []
+    if f.ids:
+        clauses.append(_m.c.id.in_(f.ids))
+    if f.statuses:
+        clauses.append(_m.c.status.in_(f.statuses))
+    if f.categories:
+        clauses.append(_m.c.category.in_(f.categories))
+    if f.key is not None:
+        if f.key.endswith("*"):
+            prefix = f.key[:-1].replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            clauses.append(_m.c.idempotency_key.like(prefix + "%", escape="\\"))
+        else:
+            clauses.append(_m.c.idempotency_key == f.key)
+    if f.created_before is not None:
+        clauses.append(_m.c.created_at < f.created_before)
+    if f.created_after is not None:
+        clauses.append(_m.c.created_at >= f.created_after)
+    if f.changed_before is not None:
+        clauses.append(_m.c.updated_at < f.changed_before)
+    return clauses
+
+
+_LIST_COLUMNS = (
+    _m.c.id,
+    _m.c.status,
+    _m.c.category,
+    _m.c.priority,
+    _m.c.idempotency_key,
+    _m.c.recipients,
+    _m.c.subject,
+    _m.c.attempt_count,
+    _m.c.next_attempt_at,
+    _m.c.created_at,
+    _m.c.updated_at,
+    _m.c.last_error_code,
+)
+
+
+def list_messages(
+    conn: sa.Connection, f: Filter, *, limit: int, after_id: int | None = None
+) -> list[Any]:
+    """One page of messages matching ``f``, by id (keyset paging)."""
+    stmt = sa.select(*_LIST_COLUMNS).where(*_where(f)).order_by(_m.c.id).limit(limit)
+    if after_id is not None:
+        stmt = stmt.where(_m.c.id > after_id)
+    return list(conn.execute(stmt).all())
+
+
+def count_messages(conn: sa.Connection, f: Filter) -> int:
+    """How many messages match ``f``."""
+    stmt = sa.select(sa.func.count()).select_from(_m).where(*_where(f))
+    return int(conn.execute(stmt).scalar_one())
+
+
+def message_ids(conn: sa.Connection, f: Filter) -> list[int]:
+    """Every id matching ``f``, in order (for a bulk operator command)."""
+    return list(conn.execute(sa.select(_m.c.id).where(*_where(f)).order_by(_m.c.id)).scalars())
+
+
+_IDS_PER_STATEMENT = 10_000  # PostgreSQL takes at most 65,535 parameters in one statement
+
+
+def statuses_of(conn: sa.Connection, ids: Sequence[int]) -> dict[int, str]:
+    """The current status of each existing id, ``_IDS_PER_STATEMENT`` ids a statement, so an
+    operator may give any number of ids."""
+    found: dict[int, str] = {}
+    for start in range(0, len(ids), _IDS_PER_STATEMENT):
+        chunk = ids[start : start + _IDS_PER_STATEMENT]
+        rows = conn.execute(sa.select(_m.c.id, _m.c.status).where(_m.c.id.in_(chunk))).all()
+        found.update((row.id, row.status) for row in rows)
+    return found
+
+
+def get_message(
+    conn: sa.Connection, message_id: int
+) -> tuple[sa.Row[Any] | None, list[sa.Row[Any]]]:
+    """A message row and all its attempts, oldest first."""
+    row = conn.execute(sa.select(_m).where(_m.c.id == message_id)).one_or_none()
+    history = conn.execute(
+        sa.select(attempts).where(attempts.c.message_id == message_id).order_by(attempts.c.id)
+    ).all()
+    return row, list(history)
+
+
+def recent_payloads(conn: sa.Connection, *, limit: int = 1000) -> list[Any]:
+    """The payloads of the newest ``limit`` messages, newest first: where ``doctor`` finds the
+    From addresses and configuration sets in use (read back along the primary key, so its
+    cost does not grow with the table)."""
+    stmt = sa.select(_m.c.payload).order_by(_m.c.id.desc()).limit(limit)
+    return list(conn.execute(stmt).scalars())

@@ -1,0 +1,380 @@
+"""The claim: due rows taken under a fresh token and lease, the send-started mark, lease
+renewal, and the expiry of rows that were never sent."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.sql.dml import ReturningUpdate
+
+from outbox.schema import CLAIMABLE, AmbiguityPolicy, Status, UTCDateTime, messages
+from relay.clock import read_database_time
+from relay.policy import MessageState
+
+__all__ = [
+    "Claim",
+    "Expired",
+    "claim_batch",
+    "count_due",
+    "count_locked_due",
+    "expire",
+    "extend_lease",
+    "mark_send_started",
+    "mark_send_started_at",
+]
+
+_m = messages
+_CLAIM_COLUMNS = (
+    _m.c.id,
+    _m.c.idempotency_key,
+    _m.c.category,
+    _m.c.priority,
+    _m.c.status,
+    # cast to text in SQL so no driver decodes it: a garbage payload fails as invalid_payload
+    # in the relay instead of breaking the claim that reads it
+    sa.cast(_m.c.payload, sa.Text).label("payload"),
+    _m.c.recipient_count,
+    _m.c.claim_token,
+    _m.c.attempt_count,
+    _m.c.max_attempts,
+    _m.c.backoff_base,
+    _m.c.backoff_cap,
+    _m.c.ambiguity_policy,
+    _m.c.reconcile_after,
+    _m.c.next_attempt_at,
+    _m.c.lease_expires_at,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Claim:
+    """A message this relay holds under a lease, identified by (id, claim_token)."""
+
+    id: int
+    key: str
+    category: str
+    priority: int
+    payload: Any
+    recipient_count: int
+    claim_token: str
+    attempt_count: int
+    max_attempts: int
+    backoff_base: float
+    backoff_cap: float
+    ambiguity_policy: AmbiguityPolicy  # RECONCILE for a row stored 'hold' with a window
+    next_attempt_at: datetime
+    lease_expires_at: datetime
+
+    @property
+    def state(self) -> MessageState:
+        return MessageState(
+            attempt_count=self.attempt_count,
+            max_attempts=self.max_attempts,
+            backoff_base=self.backoff_base,
+            backoff_cap=self.backoff_cap,
+            ambiguity_policy=self.ambiguity_policy,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expired:
+    """A due message the claim found past its ``expires_at``: moved to expired, never sent."""
+
+    id: int
+    key: str
+    category: str
+
+
+def _policy(stored: str, reconcile_after: float | None) -> AmbiguityPolicy:
+    """The row's policy: ``reconcile`` is stored as ``'hold'`` with ``reconcile_after`` set."""
+    if reconcile_after is not None:
+        return AmbiguityPolicy.RECONCILE
+    return AmbiguityPolicy(stored)
+
+
+def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
+    """A :class:`Claim` from a row read with ``_CLAIM_COLUMNS``."""
+    return Claim(
+        id=row.id,
+        key=row.idempotency_key,
+        category=row.category,
+        priority=row.priority,
+        payload=payload,
+        recipient_count=row.recipient_count,
+        claim_token=claim_token,
+        attempt_count=row.attempt_count,
+        max_attempts=row.max_attempts,
+        backoff_base=row.backoff_base,
+        backoff_cap=row.backoff_cap,
+        ambiguity_policy=_policy(row.ambiguity_policy, row.reconcile_after),
+        next_attempt_at=row.next_attempt_at,
+        lease_expires_at=row.lease_expires_at,
+    )
+
+
+_NOW = sa.bindparam("c_now", type_=UTCDateTime())
+_LIMIT = sa.bindparam("c_limit", type_=sa.Integer())
+
+
+def _literal(status: Status) -> sa.ColumnElement[str]:
+    return sa.literal_column(f"'{status.value}'", sa.String)
+
+
+# SQLite uses the partial claim index only if the query repeats its condition with literals;
+# the status equality goes first, or it plans the IN as the range and sorts every due row.
+_CLAIMABLE = _m.c.status.in_([_literal(s) for s in CLAIMABLE])
+
+
+def _due(status: Status) -> sa.Subquery:
+    return (
+        sa.select(_m.c.id, _m.c.priority, _m.c.next_attempt_at)
+        .where(_m.c.status == _literal(status), _CLAIMABLE, _m.c.next_attempt_at <= _NOW)
+        .order_by(_m.c.priority, _m.c.next_attempt_at, _m.c.id)
+        .limit(_LIMIT)
+        .with_for_update(skip_locked=True)
+        .subquery()
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _ClaimStatements:
+    pick: sa.Select[Any]  # the due ids, locked (MySQL/MariaDB run it first)
+    update: sa.Update
+    update_returning: ReturningUpdate[Any]
+    read_back: sa.Select[Any]  # the claimed rows, where UPDATE ... RETURNING is missing
+
+
+@functools.cache
+def _claim_statements(lock_first: bool) -> _ClaimStatements:
+    """The claim's statements, built once (the values are bound parameters)."""
+    pending, retrying = _due(Status.PENDING), _due(Status.RETRYING)
+    merged = sa.union_all(sa.select(pending), sa.select(retrying)).subquery()
+    pick = (
+        sa.select(merged.c.id)
+        .order_by(merged.c.priority, merged.c.next_attempt_at, merged.c.id)
+        .limit(_LIMIT)
+    )
+    if lock_first:
+        # an UPDATE with IN (subquery) is not planned as a range read of the index there
+        chosen: sa.ColumnElement[bool] = _m.c.id.in_(sa.bindparam("c_ids", expanding=True))
+    else:
+        chosen = _m.c.id.in_(sa.select(pick.subquery().c.id))
+    token = sa.bindparam("c_token", type_=_m.c.claim_token.type)
+    expired = sa.and_(_m.c.expires_at.is_not(None), _m.c.expires_at <= _NOW)
+    update = (
+        sa.update(_m)
+        .where(chosen)
+        .values(
+            status=sa.case((expired, Status.EXPIRED.value), else_=Status.PROCESSING.value),
+            claim_token=token,
+            claimed_by=sa.case(
+                (expired, _m.c.claimed_by),
+                else_=sa.bindparam("c_relay", type_=_m.c.claimed_by.type),
+            ),
+            claimed_at=sa.case((expired, _m.c.claimed_at), else_=_NOW),
+            lease_expires_at=sa.case(
+                (expired, None), else_=sa.bindparam("c_lease", type_=UTCDateTime())
+            ),
+            send_started_at=None,
+            updated_at=_NOW,
+        )
+    )
+    read_back = sa.select(*_CLAIM_COLUMNS).where(chosen, _m.c.claim_token == token)
+    return _ClaimStatements(
+        pick=pick,
+        update=update,
+        update_returning=update.returning(*_CLAIM_COLUMNS),
+        read_back=read_back,
+    )
+
+
+def claim_batch(
+    conn: sa.Connection, *, relay_id: str, limit: int, now: datetime, lease_seconds: float
+) -> tuple[list[Claim], list[Expired]]:
+    """Take up to ``limit`` due messages under one fresh claim token and lease.
+
+    Due: pending or retrying with ``next_attempt_at`` passed, in (priority, next_attempt_at,
+    id) order, each status read as its own range of the claim index with ``FOR UPDATE SKIP
+    LOCKED``. Rows past ``expires_at`` move to expired in the same statement and come back
+    apart: they are never sent.
+    """
+    token = str(uuid.uuid4())
+    params: dict[str, Any] = {
+        "c_now": now,
+        "c_limit": limit,
+        "c_token": token,
+        "c_relay": relay_id,
+        "c_lease": now + timedelta(seconds=lease_seconds),
+    }
+    statements = _claim_statements(conn.dialect.name in ("mysql", "mariadb"))
+    if conn.dialect.name in ("mysql", "mariadb"):
+        params["c_ids"] = list(conn.execute(statements.pick, params).scalars())
+        if not params["c_ids"]:
+            return [], []
+    if conn.dialect.update_returning:
+        rows = conn.execute(statements.update_returning, params).all()
+    else:
+        conn.execute(statements.update, params)
+        rows = conn.execute(statements.read_back, params).all()
+    claims, gone = [], []
+    for row in rows:
+        if row.status == Status.EXPIRED.value:
+            gone.append(Expired(id=row.id, key=row.idempotency_key, category=row.category))
+            continue
+        claims.append(_claim(row, token, row.payload))
+    claims.sort(key=lambda c: (c.priority, c.next_attempt_at, c.id))
+    return claims, gone
+
+
+def _id_among(name: str, pg: bool) -> sa.ColumnElement[bool]:
+    """``id`` is in the list bound as ``name``: one array on PostgreSQL (``= ANY``), so the
+    text and its prepared plan do not change with the list's length; elsewhere an IN."""
+    if pg:
+        return _m.c.id == sa.any_(sa.bindparam(name, type_=postgresql.ARRAY(sa.BigInteger)))
+    return _m.c.id.in_(sa.bindparam(name, expanding=True))
+
+
+@functools.cache
+def _stamp_statements(column_name: str, pg: bool) -> tuple[sa.Update, sa.Select[Any]]:
+    """_stamp_wave's UPDATE and its read-back, built once per column and dialect kind."""
+    column = _m.c[column_name]
+    value = sa.bindparam("w_value", type_=UTCDateTime())
+    guard = sa.and_(
+        _id_among("w_ids", pg),
+        _m.c.claim_token == sa.bindparam("w_token", type_=_m.c.claim_token.type),
+        _m.c.status == Status.PROCESSING.value,
+    )
+    return sa.update(_m).where(guard).values({column: value}), sa.select(_m.c.id).where(
+        guard, column == value
+    )
+
+
+def _stamp_wave(
+    conn: sa.Connection,
+    ids: Sequence[int],
+    claim_token: str,
+    column: sa.Column[datetime],
+    value: datetime,
+) -> set[int]:
+    """Set ``column = value`` on the rows of ``ids`` this claim still holds, in one statement;
+    returns the ids it set. MySQL reports matched rows, so only a short count needs a read."""
+    if not ids:
+        return set()
+    stamp, read = _stamp_statements(column.name, conn.dialect.name == "postgresql")
+    params = {"w_ids": list(ids), "w_token": claim_token, "w_value": value}
+    if conn.execute(stamp, params).rowcount == len(ids):
+        return set(ids)
+    return set(conn.execute(read, params).scalars())
+
+
+def mark_send_started(
+    conn: sa.Connection, *, ids: Sequence[int], claim_token: str, now: datetime
+) -> set[int]:
+    """Stamp ``send_started_at`` on a wave of claimed rows, in one statement; the ids stamped.
+
+    Only a stamped row may be sent: a lease that expires while the stamp is NULL is provably
+    unsent, and the sweep returns it without using an attempt.
+    """
+    return mark_send_started_at(conn, ids=ids, claim_token=claim_token, now=now)[0]
+
+
+def mark_send_started_at(
+    conn: sa.Connection, *, ids: Sequence[int], claim_token: str, now: datetime
+) -> tuple[set[int], datetime]:
+    """:func:`mark_send_started`, returning the stamp with the ids.
+
+    The stamp is the later of ``now`` (the relay's estimate) and the database's clock, read
+    in the wave's transaction: by the UPDATE itself on PostgreSQL, one query before it on
+    MySQL/MariaDB, the host's clock on SQLite. The caller records it as the attempt's
+    ``started_at``. Why: docs/design.md, "Decisions" (the send-started mark on the database's
+    clock).
+    """
+    if not ids:
+        return set(), now
+    if conn.dialect.name == "postgresql":
+        params = {"w_ids": list(ids), "w_token": claim_token, "w_value": now}
+        rows = conn.execute(_MARK_PG, params).all()
+        return {row.id for row in rows}, rows[0].send_started_at if rows else now
+    stamp = max(now, read_database_time(conn))
+    return _stamp_wave(conn, ids, claim_token, _m.c.send_started_at, stamp), stamp
+
+
+# statement_timestamp(): one reading for the whole wave (clock_timestamp() moves row by row)
+_MARK_PG = (
+    sa.update(_m)
+    .where(
+        _id_among("w_ids", True),
+        _m.c.claim_token == sa.bindparam("w_token", type_=_m.c.claim_token.type),
+        _m.c.status == Status.PROCESSING.value,
+    )
+    .values(
+        send_started_at=sa.func.greatest(
+            sa.bindparam("w_value", type_=UTCDateTime()),
+            sa.func.statement_timestamp(type_=UTCDateTime()),
+        )
+    )
+    .returning(_m.c.id, _m.c.send_started_at)
+)
+
+
+def extend_lease(
+    conn: sa.Connection, *, ids: Sequence[int], claim_token: str, until: datetime
+) -> set[int]:
+    """Push out the lease of rows still being sent; returns the ids kept."""
+    return _stamp_wave(conn, ids, claim_token, _m.c.lease_expires_at, until)
+
+
+def expire(conn: sa.Connection, *, now: datetime, limit: int = 1000) -> list[Expired]:
+    """pending/retrying rows past ``expires_at`` -> expired (never sent).
+
+    The claim expires the due ones; this catches those not due yet, skipping rows a claim
+    holds locked.
+    """
+    candidates = conn.execute(
+        sa.select(_m.c.id, _m.c.idempotency_key, _m.c.category)
+        .where(
+            _m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
+            _m.c.expires_at.is_not(None),
+            _m.c.expires_at <= now,
+        )
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()
+    if not candidates:
+        return []
+    conn.execute(
+        sa.update(_m)
+        .where(
+            _m.c.id.in_([c.id for c in candidates]),
+            _m.c.status.in_([Status.PENDING.value, Status.RETRYING.value]),
+        )
+        .values(status=Status.EXPIRED.value, updated_at=now)
+    )
+    return [Expired(id=c.id, key=c.idempotency_key, category=c.category) for c in candidates]
+
+
+def _due_at(now: datetime) -> sa.Select[Any]:
+    return sa.select(_m.c.id).where(
+        _m.c.status.in_([s.value for s in CLAIMABLE]), _m.c.next_attempt_at <= now
+    )
+
+
+def count_due(conn: sa.Connection, *, now: datetime) -> int:
+    """How many messages are due at ``now`` (claimable, ``next_attempt_at`` past)."""
+    return len(conn.execute(_due_at(now)).all())
+
+
+def count_locked_due(conn: sa.Connection, *, now: datetime) -> int:
+    """How many due messages another transaction holds locked: the due ones ``FOR UPDATE SKIP
+    LOCKED`` does not return (PostgreSQL, MariaDB). For relay.testing's not-idle report."""
+    due = _due_at(now)
+    every = set(conn.execute(due).scalars())
+    free = set(conn.execute(due.with_for_update(skip_locked=True)).scalars()) if every else set()
+    return len(every - free)
