@@ -245,10 +245,10 @@ def test_a_connection_that_goes_silent_mid_run_costs_a_reconnect_and_sends_nothi
                     what="the first five",
                 )
                 proxy.silence()
-                failures_before = relay._db_failures
+                failures_before = relay.connection.failures
                 second = enqueue(backend.engine, 5)  # written directly, not through the proxy
                 wait_for(
-                    lambda: relay._db_failures >= failures_before + 2,
+                    lambda: relay.connection.failures >= failures_before + 2,
                     timeout=10,
                     what="the silent connection given up, twice",
                 )

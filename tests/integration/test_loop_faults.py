@@ -104,7 +104,7 @@ def commit_unseen_once(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
 
     That fault cannot be timed against a real server, so the relay's transaction is wrapped:
     the real COMMIT runs, then an OperationalError is raised, once, for the pass's exchange."""
-    real_transaction, real_exchange = relay._transaction, relay._exchange
+    real_transaction, real_exchange = relay.connection.transaction, relay.producer.exchange
     state = {"exchange": False, "left": 1}
 
     @contextlib.contextmanager
@@ -113,7 +113,7 @@ def commit_unseen_once(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
             yield conn
         if state["exchange"] and state["left"]:
             state["left"] = 0
-            relay._drop_connection()
+            relay.connection.drop()
             raise sa.exc.OperationalError(
                 "COMMIT", {}, ConnectionResetError("server closed the connection unexpectedly")
             )
@@ -125,8 +125,8 @@ def commit_unseen_once(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
         finally:
             state["exchange"] = False
 
-    monkeypatch.setattr(relay, "_transaction", transaction)
-    monkeypatch.setattr(relay, "_exchange", exchange)
+    monkeypatch.setattr(relay.connection, "transaction", transaction)
+    monkeypatch.setattr(relay.producer, "exchange", exchange)
 
 
 def assert_given_back_unsent(backend, ids: list[int], clock: Clock, sender: FakeSender) -> None:
@@ -152,7 +152,7 @@ def test_claims_committed_unseen_are_given_back_unsent_by_the_drain(backend, mon
     sender = FakeSender()
     relay = relay_for(backend, sender, clock, concurrency=4)
     commit_unseen_once(relay, monkeypatch)
-    assert relay._with_db(relay.step) is None  # the pass saw a database error
+    assert relay.connection.guard(relay.step) is None  # the pass saw a database error
     for mid in ids:
         r = row(backend.engine, mid)
         assert (r.status, r.send_started_at is not None) == ("processing", True)
@@ -189,12 +189,12 @@ def test_claims_committed_unseen_are_given_back_unsent_by_an_account_pause(backe
             waiting = enqueue(backend.engine, 2)
             clock.advance(1)  # they are due
             commit_unseen_once(relay, monkeypatch)
-            assert relay._with_db(relay.step) is None  # the pass saw a database error
+            assert relay.connection.guard(relay.step) is None  # the pass saw a database error
             for mid in waiting:
                 assert row(backend.engine, mid).status == "processing"
             answer.set()
             wait_for(
-                lambda: all(f.future.done() for f in relay._in_flight.values()),
+                lambda: all(f.future.done() for f in relay.dispatch.in_flight.values()),
                 what="the paused answer",
             )
             with receiving(signals.released, relay) as released:
@@ -492,7 +492,7 @@ def test_a_stale_call_finishing_beside_its_reclaim_is_recorded_stale_and_signall
             wait_for(lambda: sender.calls == [(mid, 1), (mid, 2)], what="the second call")
             answer.set()
             wait_for(
-                lambda: all(f.future.done() for f in relay._in_flight.values()),
+                lambda: all(f.future.done() for f in relay.dispatch.in_flight.values()),
                 what="both calls to return",
             )
             with (

@@ -27,7 +27,7 @@ from relay.testing import FakeSender
 from tests.support.db import attempt_rows, row
 from tests.support.factories import enqueue
 from tests.support.hand_clocks import Clock
-from tests.support.inprocess import closing, receiving, relay_for, settle
+from tests.support.inprocess import closing, maintain, receiving, relay_for, settle
 
 WINDOW = 60.0
 VISIBILITY = 30.0  # seconds: the events queue's visibility timeout
@@ -446,14 +446,12 @@ def test_a_skewed_relay_clock_cannot_requeue_early(backend):
     sender = FakeSender()
     relay = relay_for(backend, sender, ahead, relay_id="r2")
     with closing(relay), receiving(signals.reconciled, relay) as reconciled:
-        relay._last_reconcile = relay._last_sweep = -math.inf
-        relay.step()
+        maintain(relay)
         assert row(backend.engine, mid).status == "unknown_outcome"
         assert reconcile(backend, now=ahead()) == []
         assert reconciled == []
         flowing_past(backend, mid)
-        relay._last_reconcile = relay._last_sweep = -math.inf
-        relay.step()
+        maintain(relay)
     assert row(backend.engine, mid).status == "pending"
     assert [(r["message_id"], r["result"]) for r in reconciled] == [(mid, "requeued")]
 
@@ -471,7 +469,7 @@ def test_the_relays_sweep_requeues_and_the_next_claim_sends_it_once(backend):
     sender = FakeSender()
     relay = relay_for(backend, sender, relay_id="r2")
     with closing(relay), receiving(signals.reconciled, relay) as reconciled:
-        relay._last_reconcile = relay._last_sweep = -math.inf
+        maintain(relay)
         settle(relay)
     assert [(r["message_id"], r["category"], r["result"]) for r in reconciled] == [
         (mid, "receipts", "requeued")
@@ -583,7 +581,7 @@ def test_a_held_send_ses_answered_after_all_is_sent_never_requeued(backend):
     sender = FakeSender()
     relay = relay_for(backend, sender, relay_id="r2")
     with closing(relay), receiving(signals.reconciled, relay) as reconciled:
-        relay._last_reconcile = relay._last_sweep = -math.inf
+        maintain(relay)
         settle(relay)
     assert sender.calls == []
     r = row(backend.engine, mid)

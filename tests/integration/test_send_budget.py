@@ -230,7 +230,7 @@ def test_a_send_thread_that_starts_too_late_gives_its_message_back_unsent(backen
     relay = relay_for(backend, sender, concurrency=1, max_send_rate=100.0)
     gate = threading.Event()
     for _ in range(16):  # every send thread taken, and more work queued before the send
-        relay._pool.submit(gate.wait, 5)
+        relay.dispatch.pool.submit(gate.wait, 5)
     assert relay.step()  # claimed, booked, handed to the busy pool
     time.sleep(0.3)  # well past its booked time and what a late start may be
     gate.set()

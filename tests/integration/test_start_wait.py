@@ -19,14 +19,14 @@ def test_a_stop_during_the_start_wait_ends_it_without_another_try():
     engine = make_engine(REFUSED)
     relay = relay_for(None, FakeSender(), engine=engine, url=REFUSED)
     tries: list[float] = []
-    with_db = relay._with_db
+    with_db = relay.connection.guard
 
     def counted(work, *args):
-        if work == relay._check_schema:
+        if work == relay.registry.check_schema:
             tries.append(time.monotonic())
         return with_db(work, *args)
 
-    relay._with_db = counted
+    relay.connection.guard = counted
     thread = threading.Thread(target=relay.run, name="relay-start-wait", daemon=True)
     try:
         thread.start()

@@ -98,7 +98,7 @@ def test_disabled_releases_without_counting_an_attempt(backend):
     deadline = time.monotonic() + 5
     while relay.in_flight and time.monotonic() < deadline:
         time.sleep(0.01)
-    relay._finalize()  # finalize without claiming again
+    relay.finalize()  # finalize without claiming again
     r = row(backend.engine, mid)
     assert (r.status, r.attempt_count, r.claim_token) == ("pending", 0, None)
     assert r.next_attempt_at == before.next_attempt_at
@@ -178,7 +178,7 @@ def test_stale_claimant_records_its_attempt_and_leaves_the_row(backend):
         release_send.set()
         deadline = time.monotonic() + 5
         while first.in_flight and time.monotonic() < deadline:
-            first._finalize()
+            first.finalize()
             time.sleep(0.01)
     finally:
         signals.stale_finalize.receivers.clear()
@@ -355,16 +355,16 @@ def test_the_server_ends_a_transaction_the_relay_left_idle_past_its_lease(server
     longer than the lease: a relay frozen mid-transaction (SIGSTOP, a paused VM) must not hold
     its rows' locks until it wakes. Shown here with a 1-second lease on the same setting."""
     relay = relay_for(server_backend, FakeSender(), lease_seconds=1.0, send_timeout=0.4)
-    with relay._transaction() as conn:  # the loop's own connection, as a pass gets it
+    with relay.connection.transaction() as conn:  # the loop's own connection, as a pass gets it
         conn.execute(sa.select(messages.c.id).limit(1)).all()
-    frozen = relay._conn
+    frozen = relay.connection.conn
     assert frozen is not None
     frozen.begin()
     frozen.execute(sa.select(messages.c.id).limit(1)).all()
     time.sleep(2.5)  # "frozen" inside the transaction, past the lease
     with pytest.raises(sa.exc.DBAPIError):
         frozen.execute(sa.select(messages.c.id).limit(1)).all()
-    relay._drop_connection()
-    with relay._transaction() as conn:  # the next pass starts on a fresh connection
+    relay.connection.drop()
+    with relay.connection.transaction() as conn:  # the next pass starts on a fresh connection
         assert conn.execute(sa.select(sa.literal(1))).scalar() == 1
-    relay._drop_connection()
+    relay.connection.drop()

@@ -443,7 +443,7 @@ def test_after_an_outage_longer_than_the_lease_a_relay_saves_its_sends_first(
             poll_interval=0.05,
         ),
     )
-    monkeypatch.setattr(relay, "_db_backoff", lambda: 0.1)  # reconnect soon after it is back
+    monkeypatch.setattr(relay.connection, "backoff", lambda: 0.1)  # reconnect soon after it is back
     try:
         with running(relay, sender):
             wait_for(lambda: len(sender.calls) == 4, what="four sends in flight")

@@ -28,6 +28,7 @@ __all__ = [
     "HeldSender",
     "Run",
     "closing",
+    "maintain",
     "receiving",
     "relay_for",
     "running",
@@ -126,14 +127,27 @@ def running(relay: Relay, *senders: HeldSender) -> Iterator[Run]:
         raise AssertionError(f"relay.run() raised {run.errors!r}")
 
 
+def maintain(relay: Relay) -> None:
+    """Run the relay's sweep, then its reconcile, now (whatever their intervals), each in its
+    own transaction and announced after it commits, as the loop runs them."""
+    maintenance = relay.maintenance
+    with relay.connection.transaction() as conn:  # a new connection samples the clock
+        now = relay.clock()
+        swept = maintenance.sweep.run_once(conn, now)
+    maintenance.sweep.announce(swept)
+    with relay.connection.transaction() as conn:
+        changed = maintenance.reconcile.run_once(conn, now)
+    maintenance.reconcile.announce(changed)
+
+
 @contextlib.contextmanager
 def closing(relay: Relay) -> Iterator[Relay]:
     """A relay stepped by hand: its loop connection and send threads end with the block."""
     try:
         yield relay
     finally:
-        relay._drop_connection()
-        relay._pool.shutdown(wait=False)
+        relay.connection.drop()
+        relay.dispatch.pool.shutdown(wait=False)
 
 
 @contextlib.contextmanager

@@ -97,7 +97,7 @@ def test_a_relay_without_a_clock_uses_the_databases(tmp_path):
     try:
         assert isinstance(relay.clock, DatabaseClock)
     finally:
-        relay._pool.shutdown()
+        relay.dispatch.pool.shutdown()
         engine.dispose()
 
 

@@ -22,7 +22,18 @@ EXCEPTIONS_HEADER = "| module | imports | why |"
 NAME = re.compile(r"`([A-Za-z_][\w.]*(?:\.\*)?)`")
 # the senders the command line picks from; nothing else knows them by name
 CONCRETE_SENDERS = ("relay.senders.console", "relay.senders.ses", "relay.senders.smtp")
-COMMAND_LINE = ("relay.cli", "relay.admin", "relay.cli_options")
+COMMAND_LINE = (
+    "relay.cli",
+    "relay.admin",
+    "relay.admin.batches",
+    "relay.admin.change",
+    "relay.admin.inspect",
+    "relay.admin.options",
+    "relay.admin.output",
+    "relay.admin.pruning",
+    "relay.admin.suppressions",
+    "relay.cli_options",
+)
 PURE = ("relay.policy", "relay.pause", "relay.ratelimit", "relay.events")
 SHARED_WITH_THE_RELAY = (
     "outbox.enqueue",
@@ -32,6 +43,10 @@ SHARED_WITH_THE_RELAY = (
     "outbox.schema",
 )
 REVISIONS = "outbox._migrations.versions.*"
+DISPATCH = "relay.loop.dispatch"
+DATABASE = ("relay.loop.connection", "relay.db", "relay.clock")  # what opens or reads the database
+MAINTENANCE = ("relay.loop.maintenance",)
+MAINTENANCE_MAY = ("relay.store", "relay.policy", "relay.loop.announce", "relay.loop.connection")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,6 +244,13 @@ def test_the_map_keeps_the_layering_rules():
                 broken.append(f"{module} -> {target}: a sender only classifies")
             if module == REVISIONS and target != "outbox.exceptions":
                 broken.append(f"{module} -> {target}: a revision is frozen history")
+            if module == DISPATCH and (target.startswith("relay.store") or target in DATABASE):
+                broken.append(f"{module} -> {target}: dispatch never opens a transaction")
+            if module in MAINTENANCE and target not in MAINTENANCE_MAY:
+                broken.append(
+                    f"{module} -> {target}: maintenance imports the store, the policy, the "
+                    "announcements and the loop's connection only"
+                )
     assert broken == [], "the module map breaks its layering rules:\n" + "\n".join(broken)
 
 
@@ -273,6 +295,13 @@ def test_the_pure_modules_touch_no_database():
             if isinstance(node, ast.ImportFrom) and not node.level
         }
         assert "sqlalchemy" not in used, f"{module} is pure but imports sqlalchemy"
+
+
+def test_dispatch_touches_no_database():
+    tree = ast.parse(FILES[DISPATCH].read_text())
+    used = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+    used |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(u.split(".")[0] == "sqlalchemy" for u in used), "dispatch imports sqlalchemy"
 
 
 def test_an_import_is_found_wherever_it_is_and_named_with_its_line():

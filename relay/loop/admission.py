@@ -1,0 +1,151 @@
+"""Admission filters between a claim and its send: pauses, the shared budget, suppressions.
+
+Each filter takes what the stage before it let through and returns what goes on, the way a
+middleware chain does; :class:`relay.loop.producer.Producer` runs them in one transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime
+
+import sqlalchemy as sa
+
+from outbox.message import Email
+from outbox.schema import AttemptOutcome
+from relay import store
+from relay.loop.pausing import scopes
+from relay.loop.records import Done, Ready, fitted
+from relay.pause import Admission, Pauses, Scope
+from relay.policy import Action, Decision
+from relay.ratelimit import SendBudget, Slot
+from relay.recipients import address_key
+
+__all__ = ["BudgetFilter", "PauseFilter", "SuppressionFilter", "Wave"]
+
+_log = logging.getLogger("relay")
+
+Wave = list[tuple[Ready, Slot | None]]  # messages to start, each with its slot (None: now)
+
+
+class PauseFilter:
+    """While a scope is paused its messages step back in line until its next probe; one of
+    them is the probe."""
+
+    def __init__(self, pauses: Pauses) -> None:
+        self.pauses = pauses
+
+    def admit(self, email: Email) -> tuple[bool, Scope | None, float]:
+        """Whether ``email`` may go now, the scope it probes, and else how long it waits (at
+        least a second: a scope whose probe is out would be claimed again at once)."""
+        if not self.pauses:
+            return True, None, 0.0
+        admission, scope = self.pauses.admit(scopes(email))
+        if admission is Admission.HOLD:
+            return False, None, max(1.0, self.pauses.remaining(scopes(email)))
+        return True, scope, 0.0
+
+
+class BudgetFilter:
+    """The send budget all relays share: each message booked at the earliest time that keeps
+    every second within the limit, in the pass's transaction, under the budget's lock."""
+
+    def __init__(self, limiter: SendBudget, relay_id: str, clock: Callable[[], datetime]) -> None:
+        self._limiter = limiter
+        self._relay_id = relay_id
+        self._clock = clock
+
+    def admissible(self, ready: list[Ready]) -> bool:
+        return bool(ready) and self._limiter.available() >= 1
+
+    def admit(self, conn: sa.Connection, ready: list[Ready]) -> Wave:
+        """The first of ``ready`` the limit lets start, in order, each with its slot; the
+        rest wait for a later pass."""
+        if self._limiter.rate is None:
+            return [(r, None) for r in ready]
+        if not ready or self._limiter.available() < 1:
+            return []
+        store.lock_send_budget(conn)
+        now, mono = self._clock(), time.monotonic()  # after the lock: it may have been waited for
+        booked = store.send_bookings(conn, since=self._limiter.lookback(now))
+        sizes = [max(1, r.claim.recipient_count) for r in ready]
+        planned = self._limiter.plan(booked, sizes, now)
+        store.book_sends(conn, relay_id=self._relay_id, bookings=planned)
+        if (cutoff := self._limiter.prune_due(now)) is not None:
+            store.prune_send_budget(conn, before=cutoff)
+        return [
+            (r, Slot(planned=mono, start=mono + (booking.start - now).total_seconds()))
+            for r, booking in zip(ready, planned, strict=False)
+        ]
+
+
+class SuppressionFilter:
+    """Suppressed recipients leave the wave before its send-started mark, by one lookup for
+    the whole wave. A message left with no recipient fails (``suppressed``), never sent; the
+    stored payload is not changed, so a later attempt screens against its own time's list."""
+
+    def __init__(self, pauses: Pauses) -> None:
+        self._pauses = pauses
+
+    def screen(self, conn: sa.Connection, wave: Wave, now: datetime) -> tuple[Wave, list[Done]]:
+        """The wave to send, and the messages barred from it (to be saved as failed)."""
+        if not wave:
+            return wave, []
+        suppressed = store.suppressed_among(
+            conn, (address_key(a) for ready, _ in wave for a in ready.email.recipients)
+        )
+        if not suppressed:
+            return wave, []
+        kept: Wave = []
+        barred: list[Done] = []
+        for ready, slot in wave:
+            email = ready.email
+            dropped = tuple(
+                dict.fromkeys(a for a in map(address_key, email.recipients) if a in suppressed)
+            )
+            if not dropped:
+                kept.append((ready, slot))
+                continue
+            if all(address_key(a) in suppressed for a in email.recipients):
+                decision = Decision(
+                    action=Action.FAIL,
+                    code="suppressed",
+                    message="every recipient is suppressed: " + ", ".join(dropped),
+                )
+                barred.append(
+                    Done(
+                        claim=ready.claim,
+                        started_at=None,
+                        finished_at=now,
+                        outcome=None,
+                        decision=fitted(decision),
+                        recorded=AttemptOutcome.SUPPRESSED,
+                        dropped=dropped,
+                    )
+                )
+                if ready.probe is not None:  # nothing was sent: the scope is still unprobed
+                    self._pauses.probe_lost(ready.probe)
+                continue
+            rest = dataclasses.replace(
+                email,
+                to=_without(email.to, suppressed),
+                cc=_without(email.cc, suppressed),
+                bcc=_without(email.bcc, suppressed),
+            )
+            _log.info(
+                "suppressed recipients dropped",
+                extra={
+                    "action": "recipients_suppressed",
+                    "message_id": ready.claim.id,
+                    "count": len(dropped),
+                },
+            )
+            kept.append((dataclasses.replace(ready, email=rest, dropped=dropped), slot))
+        return kept, barred
+
+
+def _without(addresses: Iterable[str], suppressed: set[str]) -> tuple[str, ...]:
+    return tuple(a for a in addresses if address_key(a) not in suppressed)

@@ -1,0 +1,199 @@
+"""The completer: finished sends decided and saved; one that cannot be saved saved alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from relay import signals, store, tracing
+from relay.config import RelayConfig
+from relay.db import is_outage
+from relay.loop.announce import announce_saved
+from relay.loop.connection import LoopConnection
+from relay.loop.records import Done, InFlight, attempt_record, done_outcome, fitted
+from relay.pause import ACCOUNT, Scope
+from relay.policy import Action, decide
+from relay.senders import Disabled, Outcome
+
+__all__ = ["Completer"]
+
+_log = logging.getLogger("relay")
+
+
+class Completer:
+    """Finished sends between their end and their save: ``unsaved`` (saved by the next pass)
+    and ``stuck`` (could not be saved; kept, their leases renewed, retried)."""
+
+    def __init__(
+        self,
+        source: Any,
+        config: RelayConfig,
+        connection: LoopConnection,
+        rng: random.Random,
+        *,
+        stuck_retry: float,
+    ) -> None:
+        self._source = source  # the relay: the sender of every signal
+        self._config = config
+        self._connection = connection
+        self._rng = rng
+        self.unsaved: list[Done] = []
+        self.stuck: list[Done] = []
+        self.set_aside = 0  # finished sends that could not be saved as they were
+        self._stuck_retry = stuck_retry  # seconds between tries to save a stuck one
+        self._last_stuck_retry = 0.0
+
+    def collect(
+        self,
+        finished: list[tuple[InFlight, Outcome, float]],
+        now: datetime,
+        react: Callable[[Outcome, Scope | None], None],
+    ) -> None:
+        """Decide each finished send and queue it to be saved; ``react`` hears each outcome
+        before anything more is claimed (a pause, a throttle)."""
+        for flight, outcome, duration in finished:
+            decision = fitted(decide(outcome, flight.claim.state, now, self._rng))
+            if isinstance(outcome, Disabled) and outcome.pause and outcome.scope != ACCOUNT:
+                # only this scope is paused: its message steps back in line until its probe
+                later = now + timedelta(seconds=self._config.pause_seconds)
+                decision = dataclasses.replace(decision, next_attempt_at=later)
+            self.unsaved.append(
+                Done(
+                    claim=flight.claim,
+                    started_at=flight.started_at,
+                    finished_at=now,
+                    outcome=outcome,
+                    decision=decision,
+                    duration=duration,
+                    dropped=flight.dropped,
+                    trace=flight.trace,
+                )
+            )
+            react(outcome, flight.probe)
+
+    @tracing.settles
+    def save(
+        self, conn: sa.Connection, batch: list[Done], now: datetime, *, attempts: bool = True
+    ) -> list[bool]:
+        """Write each decision (guarded by its claim) and its attempt row; returns, per
+        item, whether the decision applied."""
+        if not batch:
+            return []
+        sent = store.finalize_sent_many(
+            conn,
+            [
+                (d.claim.id, d.claim.claim_token, d.decision.provider_message_id)
+                for d in batch
+                if d.decision.action is Action.SENT
+            ],
+            now=now,
+        )
+        applied = [
+            (done.claim.id, done.claim.claim_token) in sent
+            if done.decision.action is Action.SENT
+            else store.apply_decision(conn, done.claim, done.decision, now)
+            for done in batch
+        ]
+        if not attempts:
+            return applied
+        relay_id = self._config.relay_id
+        store.record_attempts(
+            conn,
+            (
+                attempt_record(done, relay_id, stale=not ok)
+                for done, ok in zip(batch, applied, strict=True)
+                # a suppressed message whose claim was gone: nothing was sent, nothing moved
+                if ok or done.recorded is None
+            ),
+        )
+        return applied
+
+    def finalize(self, now: datetime) -> bool:
+        """Save the finished sends now, in a transaction of their own (drain, tests)."""
+        if not self.unsaved:
+            return False
+        batch = list(self.unsaved)
+        try:
+            with self._connection.transaction() as conn:
+                applied = self.save(conn, batch, now)
+        except sa.exc.DBAPIError as exc:
+            if is_outage(exc):
+                raise
+            self.save_alone(batch, now)  # one that cannot be saved never holds back the rest
+            return True
+        del self.unsaved[: len(batch)]
+        announce_saved(self._source, batch, applied)
+        return True
+
+    def save_alone(self, batch: list[Done], now: datetime) -> None:
+        """Save each of ``batch`` in its own transaction. One that fails is saved again
+        without its attempt row (logged in full instead); one whose transition itself fails
+        is set aside: kept, its lease renewed (the sweep must never turn a known outcome into
+        an ambiguous one), retried every ``stuck_retry`` seconds (``save_failed``)."""
+        for done in batch:
+            try:
+                try:
+                    with self._connection.transaction() as conn:
+                        applied = self.save(conn, [done], now)
+                except sa.exc.DBAPIError as exc:
+                    if is_outage(exc):
+                        raise
+                    self._log_unsaved(done, exc, "its attempt row cannot be written")
+                    with self._connection.transaction() as conn:
+                        applied = self.save(conn, [done], now, attempts=False)
+                    self._set_aside(done)
+            except sa.exc.DBAPIError as exc:
+                if is_outage(exc):
+                    raise  # the rest stay where they are, for the next pass
+                first = done not in self.stuck
+                self._remove(done)
+                self.stuck.append(done)
+                if first:
+                    self._log_unsaved(done, exc, "it cannot be saved; set aside, retried")
+                    self._set_aside(done)
+                continue
+            self._remove(done)
+            announce_saved(self._source, [done], applied)
+
+    def retry_stuck(self, now: datetime) -> None:
+        if self.stuck and time.monotonic() - self._last_stuck_retry >= self._stuck_retry:
+            self._last_stuck_retry = time.monotonic()
+            self.save_alone(list(self.stuck), now)
+
+    def _set_aside(self, done: Done) -> None:
+        self.set_aside += 1
+        signals.save_failed.send(
+            self._source,
+            message_id=done.claim.id,
+            category=done.claim.category,
+            code=done.decision.code,
+            provider_message_id=done.decision.provider_message_id,
+            outcome=done_outcome(done),
+        )
+
+    def _remove(self, done: Done) -> None:
+        for pending in (self.unsaved, self.stuck):
+            if done in pending:
+                pending.remove(done)
+
+    def _log_unsaved(self, done: Done, exc: sa.exc.DBAPIError, what: str) -> None:
+        _log.error(
+            "a finished send: %s: %s",
+            what,
+            exc.orig if exc.orig is not None else exc,
+            extra={
+                "action": "save_failed",
+                "message_id": done.claim.id,
+                "outcome": done_outcome(done),
+                "decision": done.decision.action.value,
+                "code": done.decision.code,
+                "provider_message_id": done.decision.provider_message_id,
+            },
+        )

@@ -1,0 +1,247 @@
+"""The producer: the loop's one-transaction pass, and the claims waiting to start."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox.message import Email
+from relay import signals, store, tracing
+from relay.config import RelayConfig
+from relay.db import is_outage
+from relay.loop.admission import BudgetFilter, PauseFilter, SuppressionFilter, Wave
+from relay.loop.announce import announce_expired, announce_saved
+from relay.loop.completer import Completer
+from relay.loop.connection import LoopConnection
+from relay.loop.dispatch import Dispatch
+from relay.loop.pausing import PauseControl, scopes
+from relay.loop.records import Done, Ready, by_token, fitted
+from relay.pause import ACCOUNT, Pauses, Scope
+from relay.policy import Action, Decision
+from relay.ratelimit import SendBudget
+
+__all__ = ["Producer"]
+
+_log = logging.getLogger("relay")
+
+
+class Producer:
+    """Claims what can be sent now and hands the wave the filters admit to dispatch."""
+
+    def __init__(
+        self,
+        *,
+        source: Any,
+        config: RelayConfig,
+        clock: Callable[[], datetime],
+        connection: LoopConnection,
+        completer: Completer,
+        dispatch: Dispatch,
+        pauses: Pauses,
+        control: PauseControl,
+        limiter: SendBudget,
+        stopping: threading.Event,
+    ) -> None:
+        self._source = source  # the relay: the sender of every signal
+        self._config = config
+        self._clock = clock
+        self._connection = connection
+        self._completer = completer
+        self._dispatch = dispatch
+        self._pauses = pauses
+        self._control = control
+        self._limiter = limiter
+        self._stopping = stopping
+        self._held = PauseFilter(pauses)
+        self._budget = BudgetFilter(limiter, config.relay_id, clock)
+        self._suppressions = SuppressionFilter(pauses)
+        self.ready: list[Ready] = []  # claimed, not yet started
+        self.probe_found_nothing = False  # an account probe's claim found no due message
+
+    def claim_limit(self) -> tuple[int, bool]:
+        """How many rows to claim now, and whether the claim is a paused relay's probe."""
+        if self._stopping.is_set():
+            return 0, False
+        sending = self._dispatch.sending()
+        free = self._config.concurrency - sending - len(self.ready)
+        limit = min(free, self._config.batch_size, int(min(self._limiter.available(), 1e9)))
+        if not self._pauses.account_paused:
+            return max(0, limit), False
+        if not self._pauses.probe_due(ACCOUNT) or sending or self.ready:
+            return 0, False
+        return min(limit, 1), limit > 0
+
+    def exchange(self, now: datetime) -> bool:
+        """Save finished sends, claim what can be sent now, mark the wave the filters admit:
+        one transaction, committed before any of the wave is handed to a thread.
+
+        If it fails, nothing is forgotten: finished sends stay unsaved, and the rows it
+        claimed join the unstarted ones, to be marked under their claim token next time (if
+        the claim did not commit, that mark finds no row and nothing is sent)."""
+        limit, probe = self.claim_limit()
+        completer = self._completer
+        if not (completer.unsaved or limit > 0 or self._budget.admissible(self.ready)):
+            return False
+        due_before = self._control.due_to_end()
+        batch = list(completer.unsaved)
+        claims: list[store.Claim] = []
+        expired: list[store.Expired] = []
+        wave: Wave = []
+        # (id, claim token) -> the send's start (send_started_at): an id may be ready twice
+        marked: dict[tuple[int, str], datetime] = {}
+        pending = list(self.ready)  # the unstarted claims, with this pass's new ones
+        invalid: list[Done] = []  # claims whose payload is not an email
+        barred: list[Done] = []
+        barred_applied: list[bool] = []
+        began = time.monotonic()
+        try:
+            with self._connection.transaction() as conn:
+                applied = completer.save(conn, batch, now)
+                if limit > 0:
+                    began = time.monotonic()
+                    claims, expired = store.claim_batch(
+                        conn,
+                        relay_id=self._config.relay_id,
+                        limit=limit,
+                        now=now,
+                        lease_seconds=self._config.lease_seconds,
+                    )
+                    self._accept(conn, claims, now, pending, invalid)
+                    if due_before and len(claims) + len(expired) < limit:
+                        due_before = self._control.unheld(conn, due_before, now)
+                wave = self._budget.admit(conn, pending)
+                admitted = len(wave)
+                wave, barred = self._suppressions.screen(conn, wave, now)
+                barred_applied = completer.save(conn, barred, now)
+                for token, ids in by_token(r.claim for r, _ in wave).items():
+                    stamped, at = store.mark_send_started_at(
+                        conn, ids=ids, claim_token=token, now=now
+                    )
+                    marked.update(((id_, token), at) for id_ in stamped)
+        except sa.exc.DBAPIError as exc:
+            if is_outage(exc):
+                # The commit may have applied unseen: what was claimed stays queued, to be
+                # marked under its claim token next time (a claim that did not commit finds
+                # no row then, and nothing is sent).
+                self.ready = pending
+                completer.unsaved.extend(invalid)
+                raise
+            # A statement's own error: the transaction rolled back, claims included.
+            if not batch:
+                raise
+            # One finished send cannot be saved (its row deleted or changed under it): save
+            # each alone, so that one never holds back the others or the next claims.
+            completer.save_alone(batch, now)
+            return True
+        finally:
+            if limit > 0:
+                signals.claim_completed.send(
+                    self._source,
+                    duration=time.monotonic() - began,
+                    count=len(claims),
+                    expired=len(expired),
+                )
+        del completer.unsaved[: len(batch)]
+        completer.unsaved.extend(invalid)
+        self.ready = pending[admitted:]  # only once the marks committed
+        announce_saved(self._source, batch, applied)
+        announce_saved(self._source, barred, barred_applied)
+        announce_expired(self._source, expired)
+        if claims:
+            _log.debug("claimed", extra={"action": "claimed", "count": len(claims)})
+        if probe:
+            self.probe_found_nothing = not (claims or self.ready or wave)
+            if self.probe_found_nothing:
+                self._pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
+        elif due_before and limit > 0 and len(claims) + len(expired) < limit:
+            self._control.retire_unprobed(due_before)
+        for ready in self._dispatch.start(wave, marked, now):
+            if ready.probe is not None:  # the probe is gone: probe again after a pause
+                self._pauses.probe_lost(ready.probe)
+        return bool(batch or claims or expired or admitted)
+
+    def _accept(
+        self,
+        conn: sa.Connection,
+        claims: list[store.Claim],
+        now: datetime,
+        pending: list[Ready],
+        invalid: list[Done],
+    ) -> None:
+        """Queue new claims to be sent (onto ``pending``); a payload that is not an email
+        fails unsent (onto ``invalid``); a paused scope's message steps back in line."""
+        held: list[tuple[store.Claim, float]] = []
+        for claim in claims:
+            signals.claimed.send(self._source, message_id=claim.id, category=claim.category)
+            try:
+                payload = claim.payload
+                if isinstance(payload, str):
+                    payload = json.loads(payload)
+                email = Email.from_payload(payload)
+            except Exception as exc:  # not JSON, too deep or too large for Python, not an email
+                decision = fitted(
+                    Decision(action=Action.FAIL, code="invalid_payload", message=str(exc))
+                )
+                invalid.append(
+                    Done(
+                        claim=claim,
+                        started_at=None,
+                        finished_at=now,
+                        outcome=None,
+                        decision=decision,
+                    )
+                )
+                continue
+            trace = tracing.stored(payload)
+            go, probe, wait = self._held.admit(email)
+            if go:
+                pending.append(Ready(claim=claim, email=email, probe=probe, trace=trace))
+            else:
+                held.append((claim, wait))
+        for claim, wait in held:
+            later = now + timedelta(seconds=wait)
+            store.release_unsent(
+                conn, ids=[claim.id], claim_token=claim.claim_token, now=now, next_attempt_at=later
+            )
+            _log.info(
+                "held: its sending is paused", extra={"action": "held", "message_id": claim.id}
+            )
+
+    def release(self, scope: Scope | None = None) -> None:
+        """Give back the claims waiting to start: all of them (drain, an account pause), or
+        those of one paused scope, which step back in line until its next probe."""
+        if scope is None:
+            chosen, later = self.ready, None
+        else:
+            chosen = [r for r in self.ready if scope.holds(scopes(r.email))]
+            later = self._clock() + timedelta(seconds=self._config.pause_seconds)
+        if not chosen:
+            return
+        now = self._clock()
+        with self._connection.transaction() as conn:
+            for token, ids in by_token(r.claim for r in chosen).items():
+                back = store.release_unsent(
+                    conn, ids=ids, claim_token=token, now=now, next_attempt_at=later
+                )
+                if back < len(ids):  # swept and taken by another relay meanwhile
+                    _log.warning(
+                        "%d of %d claims were no longer held when given back",
+                        len(ids) - back,
+                        len(ids),
+                        extra={"action": "lease_lost"},
+                    )
+        for ready in chosen:
+            claim = ready.claim
+            _log.info("released unstarted", extra={"action": "released", "message_id": claim.id})
+            signals.released.send(self._source, message_id=claim.id, category=claim.category)
+            if ready.probe is not None:
+                self._pauses.probe_lost(ready.probe)
+        gone = {id(r) for r in chosen}
+        self.ready = [r for r in self.ready if id(r) not in gone]

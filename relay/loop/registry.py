@@ -1,0 +1,187 @@
+"""The registry: this relay's row in ``outbox_relays`` (register, heartbeat, deregister)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+import sqlalchemy as sa
+
+from outbox.exceptions import ConfigurationError
+from outbox.schema import RelayState
+from relay import store
+from relay.config import RelayConfig
+from relay.db import READ_COMMITTED, masked_url
+from relay.loop.connection import LoopConnection
+from relay.senders import Sender
+
+__all__ = ["Registry"]
+
+_log = logging.getLogger("relay")
+
+
+class Registry:
+    """One relay id, one live relay: the row this relay holds, kept alive by heartbeats."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        connection: LoopConnection,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self._config = config
+        self._connection = connection
+        self._clock = clock
+        self.relay_id = config.relay_id
+        self.registered_at: datetime | None = None  # started_at of the row this relay holds
+        # started_at of each register whose commit this relay did not see (a lost or timed-out
+        # COMMIT may have applied): a row carrying one is its own, not another relay's
+        self._unseen: list[datetime] = []
+        self._last_heartbeat = 0.0
+
+    def check_schema(self) -> None:
+        """Refuse a database without every outbox table (never migrated, or migrated by an
+        older release)."""
+        with self._connection.transaction() as conn:
+            missing = store.missing_tables(conn)
+        if missing:
+            raise ConfigurationError(
+                "--database-url",
+                f"the database lacks the outbox tables {', '.join(missing)}; "
+                "run `outbox-relay migrate --database-url ...` with the same URL first",
+            )
+
+    def register(self, sender: Sender, engine: sa.Engine, state: RelayState) -> None:
+        """Take this relay's row. Raises ConfigurationError if a live relay (one that
+        heartbeated within three heartbeat intervals, by the database's clock) holds the id."""
+        try:
+            holder = self._take_row(state)
+        except sa.exc.IntegrityError:  # a relay with this id inserted its row just now
+            holder = self._take_row(state)
+        if holder is not None:
+            age = (self._clock() - holder.heartbeat_at).total_seconds()
+            self._connection.drop()  # run() ends here, before its own cleanup
+            raise ConfigurationError(
+                "--relay-id",
+                f"{self.relay_id!r} is in use by a running relay on host {holder.host} "
+                f"(pid {holder.pid}, {holder.state}, last heartbeat {age:.1f}s ago); give "
+                "each relay its own id (or leave --relay-id unset)",
+            )
+        self._last_heartbeat = time.monotonic()
+        _announce_start(self.relay_id, sender, engine)
+
+    def beat_soon(self) -> None:
+        """Heartbeat on the next pass (a state change shows in ``outbox_relays`` at once)."""
+        self._last_heartbeat = 0.0
+
+    def heartbeat(self, now: datetime, state: RelayState) -> store.RelayHolder | None:
+        """Show this relay alive on its row, registering again if the row is gone; returns
+        the relay that took the id over (this one looked dead for three heartbeat intervals:
+        frozen, or cut off from the database), which means stop: one id, one relay."""
+        if time.monotonic() - self._last_heartbeat < self._config.heartbeat_interval:
+            return None
+        holder = None
+        with self._connection.transaction() as conn:
+            mine = self._holds_row(conn, now, state)
+            if not mine:
+                holder = self._register_row(conn, now)
+        self._last_heartbeat = time.monotonic()
+        if mine:
+            return None
+        if holder is None:
+            self.registered_at = now
+            self._unseen.clear()
+            return None
+        self.registered_at = None
+        return holder
+
+    def deregister(self) -> None:
+        if self.registered_at is not None:
+            with self._connection.transaction() as conn:
+                store.stop_held(
+                    conn,
+                    relay_id=self.relay_id,
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    started_at=self.registered_at,
+                    now=self._clock(),
+                )
+        _log.info("relay stopped", extra={"action": "stopped", "relay_id": self.relay_id})
+
+    def _holds_row(self, conn: sa.Connection, now: datetime, state: RelayState) -> bool:
+        """Heartbeat the row this relay registered; False if it has none, or lost it."""
+        return self.registered_at is not None and store.heartbeat_held(
+            conn,
+            relay_id=self.relay_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self.registered_at,
+            now=now,
+            state=state,
+        )
+
+    def _take_row(self, state: RelayState) -> store.RelayHolder | None:
+        """Register; returns the live holder of the relay id instead, if there is one."""
+        now = self._clock()
+        with self._connection.transaction() as conn:
+            if self._holds_row(conn, now, state):
+                return None  # registered already (a heartbeat before run() did it)
+            holder = self._register_row(conn, now)
+            if holder is not None:
+                return holder
+            if conn.dialect.name in ("mysql", "mariadb"):
+                level = conn.get_isolation_level()
+                if level != READ_COMMITTED:
+                    _log.warning(
+                        "engine runs at %s: concurrent claims will wait on gap locks; "
+                        "build it with relay.db.make_engine (READ COMMITTED)",
+                        level,
+                        extra={"action": "isolation_level"},
+                    )
+        self.registered_at = now
+        self._unseen.clear()
+        return None
+
+    def _register_row(self, conn: sa.Connection, now: datetime) -> store.RelayHolder | None:
+        """``store.register`` in the caller's transaction; ``now`` is remembered as unseen
+        until the caller saw that transaction commit."""
+        holder = store.register(
+            conn,
+            relay_id=self.relay_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            now=now,
+            dead_after=3 * self._config.heartbeat_interval,
+            unseen=tuple(self._unseen),
+        )
+        if holder is None:
+            self._unseen = [*self._unseen[-15:], now]
+        return holder
+
+
+def _announce_start(relay_id: str, sender: Sender, engine: sa.Engine) -> None:
+    """One line naming what this relay does: its sender and where it sends, its id and its
+    database (the password masked); a warning if the sender delivers nothing."""
+    where = getattr(sender, "where", None)
+    details = where() if callable(where) else {}
+    _log.info(
+        "relay started",
+        extra={
+            "action": "started",
+            "relay_id": relay_id,
+            "sender_kind": sender.name,
+            **details,
+            "database": masked_url(engine.url),
+        },
+    )
+    if getattr(sender, "delivers", True) is False:  # console, file: BaseSender.delivers
+        _log.warning(
+            "the %s sender delivers nothing: each message is marked sent but none leaves "
+            "this machine; use --sender ses or smtp to deliver",
+            sender.name,
+            extra={"action": f"{sender.name}_sender"},
+        )
