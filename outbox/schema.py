@@ -47,7 +47,7 @@ __all__ = [
 
 
 class Status(enum.StrEnum):
-    """Where a message is in its life. See the state machine in the README."""
+    """Where a message is in its life. See docs/design.md, "The state machine"."""
 
     PENDING = "pending"  # enqueued, never attempted (or released/requeued)
     RETRYING = "retrying"  # attempted, failed transiently, due again at next_attempt_at

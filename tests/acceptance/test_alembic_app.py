@@ -1,8 +1,8 @@
-"""A new app's alembic, set up exactly as README.md says, on every backend.
+"""A new app's alembic, set up exactly as the docs say (docs/guides/alembic.md), on every backend.
 
 A real ``alembic init`` project in a temporary directory, driven through the venv's ``alembic``
 executable in subprocesses. The settings, the env.py lines and the commands are taken from the
-README's "Inside your app's alembic" section itself, so what the README tells a user is what
+guide's "Inside your app's alembic" section itself, so what the docs tell a user is what
 runs here. The project starts on a copy of the installed ``outbox`` package that holds only the
 first outbox revision (an older release), then switches to the real install (``pip install
 -U``): its new revision must arrive through a plain ``alembic upgrade heads``.
@@ -26,6 +26,7 @@ import outbox
 from outbox import migrations
 
 ROOT = Path(__file__).resolve().parents[2]
+GUIDE = ROOT / "docs" / "guides" / "alembic.md"
 ALEMBIC = str(Path(sys.executable).with_name("alembic"))
 FIRST_RELEASE = "0001_outbox_initial.py"
 TABLES_0001 = {"outbox_messages", "outbox_attempts", "outbox_relays"}
@@ -63,11 +64,11 @@ class OrderLine(Base):
 """
 
 
-# -- the README's instructions ---------------------------------------------------------------
+# -- the guide's instructions ----------------------------------------------------------------
 
 
 def readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = GUIDE.read_text()
     start = text.index("**Inside your app's alembic**")
     return text[start : text.index("\n## ", start)]
 
@@ -77,7 +78,7 @@ def code_blocks(lang: str) -> list[str]:
 
 
 def ini_settings() -> dict[str, list[str]]:
-    """The README's alembic.ini settings: each key with its lines (continuations included)."""
+    """The guide's alembic.ini settings: each key with its lines (continuations included)."""
     (block,) = code_blocks("ini")
     settings: dict[str, list[str]] = {}
     key = None
@@ -94,7 +95,7 @@ def ini_settings() -> dict[str, list[str]]:
 
 
 def env_lines() -> tuple[list[str], list[str]]:
-    """The README's env.py additions: import lines, and keyword arguments of context.configure."""
+    """The guide's env.py additions: import lines, and keyword arguments of context.configure."""
     (block,) = code_blocks("python")
     imports = [line for line in block.splitlines() if line.startswith(("from ", "import "))]
     kwargs = re.findall(r"^\s+(\w+=\w+),\s*$", block, flags=re.MULTILINE)
@@ -162,7 +163,7 @@ class Project:
             "from shop.models import Base\ntarget_metadata = Base.metadata",
         )
         imports, kwargs = env_lines()
-        if not hooks:  # the README's set-up without process_revision_directives
+        if not hooks:  # the guide's set-up without process_revision_directives
             imports = ["from outbox.migrations import include_object"]
             kwargs = [k for k in kwargs if k.startswith("include_object")]
         source = source.replace(
@@ -194,7 +195,7 @@ class Project:
 
 def set_option(lines: list[str], key: str, setting: list[str]) -> list[str]:
     """Put ``setting`` where alembic init has ``key`` (set, or as a commented-out example), as
-    the README tells: change that line rather than add a second one. A key that alembic init
+    the guide tells: change that line rather than add a second one. A key that alembic init
     does not mention at all goes right after ``[alembic]``."""
     pattern = re.compile(rf"^(# )?{re.escape(key)} =")
     found = [i for i, line in enumerate(lines) if pattern.match(line)]
@@ -274,13 +275,13 @@ def shipped_revisions() -> Iterator[None]:
 
 
 def test_readme_instructions_change_existing_lines_of_alembic_init(tmp_path):
-    """The README says which lines of alembic init's alembic.ini to change: they are there."""
+    """The guide says which lines of alembic init's alembic.ini to change: they are there."""
     project = Project(tmp_path / "app", "sqlite://")
     ini = (project.root / "alembic.ini").read_text().splitlines()
     settings = ini_settings()
     assert set(settings) == {"path_separator", "revision_environment", "version_locations"}
-    assert "path_separator = os" in ini  # set: the README changes it (adding it again fails)
-    assert "# revision_environment = false" in ini  # commented out: the README sets it
+    assert "path_separator = os" in ini  # set: the guide changes it (adding it again fails)
+    assert "# revision_environment = false" in ini  # commented out: the guide sets it
     assert not [line for line in ini if line.startswith("version_locations")]
     section = readme_section()
     assert 'change "path_separator = os"' in section
@@ -290,7 +291,7 @@ def test_readme_instructions_change_existing_lines_of_alembic_init(tmp_path):
 def test_new_app_alembic_from_readme_then_an_outbox_upgrade(
     app_url, tmp_path, older_release, shipped_revisions
 ):
-    """The README's set-up and commands, word for word, on a fresh alembic init project."""
+    """The guide's set-up and commands, word for word, on a fresh alembic init project."""
     project = Project(tmp_path / "app", app_url)
     project.configure_as_the_readme_says()
     commands = readme_commands()
@@ -355,7 +356,7 @@ def test_new_app_alembic_from_readme_then_an_outbox_upgrade(
 
 
 def test_readme_flags_for_an_env_py_without_the_revision_hook(tmp_path, shipped_revisions):
-    """The README's explicit flags do what the hook does, for an env.py without it."""
+    """The guide's explicit flags do what the hook does, for an env.py without it."""
     url = f"sqlite:///{tmp_path / 'app.db'}"
     project = Project(tmp_path / "app", url)
     project.configure_as_the_readme_says(hooks=False)
@@ -411,7 +412,7 @@ def test_the_apps_first_revision_is_labelled_app_so_a_downgrade_can_name_its_bra
     tmp_path, shipped_revisions
 ):
     """`alembic downgrade -1` with two branches is alembic's pick and stepped back the outbox's
-    newest revision (dropping the send budget); `app@-1`, as the README says, steps back the
+    newest revision (dropping the send budget); `app@-1`, as the guide says, steps back the
     app's own revision and leaves the outbox schema alone."""
     url = f"sqlite:///{tmp_path / 'app.db'}"
     project = Project(tmp_path / "app", url)
@@ -623,14 +624,14 @@ def test_alembic_revision_refuses_a_history_that_carries_the_outbox_as_a_branch(
     assert "lists the outbox's versions directory" in line
     assert "alembic upgrade heads" in line
     # and what the branch way's `upgrade head` says once the app has a revision of its own,
-    # which the README quotes
+    # which the guide quotes
     project.alembic("revision", "-m", "first")
     failed = subprocess.run(
         [ALEMBIC, "upgrade", "head"], cwd=project.root, capture_output=True, text=True, check=False
     )
     assert failed.returncode != 0
     assert "Multiple head revisions are present" in failed.stderr
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join(GUIDE.read_text().split())
     assert "Multiple head revisions are present for given argument 'head'" in readme
 
 

@@ -927,8 +927,9 @@ REGION_TEXTS = [
     "README.md",
     "docs/configuration.md",
     "docs/design.md",
+    "docs/guides/ses.md",  # the README's SES section moved here
     "Dockerfile",
-    "examples/deploy/README.md",
+    "docs/guides/deploy.md",  # was examples/deploy/README.md
     "examples/deploy/compose.yaml",
     "examples/deploy/k8s-sidecar.yaml",
 ]
