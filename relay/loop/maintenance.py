@@ -24,7 +24,7 @@ __all__ = ["Expire", "Maintenance", "Reconcile", "Sweep"]
 
 _log = logging.getLogger("relay")  # reconcile_failed
 
-Swept = list[tuple[store.StaleLease, Decision]]
+_Swept = list[tuple[store.StaleLease, Decision]]
 
 
 class Sweep:
@@ -35,10 +35,10 @@ class Sweep:
     def __init__(self, source: Any, relay_id: str, rng: random.Random) -> None:
         self._source, self._relay_id, self._rng = source, relay_id, rng
 
-    def run_once(self, conn: sa.Connection, now: datetime) -> Swept:
+    def run_once(self, conn: sa.Connection, now: datetime) -> _Swept:
         return store.sweep_expired_leases(conn, now=now, relay_id=self._relay_id, rng=self._rng)
 
-    def announce(self, swept: Swept) -> None:
+    def announce(self, swept: _Swept) -> None:
         announce_swept(self._source, swept)
 
 

@@ -19,10 +19,12 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 
 from outbox.schema import attempts, messages, operator_actions, suppressions
-from relay import admin, store
+from relay import store
+from relay.admin import batches
 from relay.cli import main
 from relay.clock import read_database_time
 from relay.db import make_engine
+from relay.store import operator as ops
 from tests.support.db import attempt_rows, row
 from tests.support.factories import enqueue
 from tests.support.relays import RELAY, clean_env
@@ -313,7 +315,7 @@ def test_a_bulk_change_whose_log_fails_in_its_second_batch_keeps_the_first_batch
     backend, monkeypatch
 ):
     engine = backend.engine
-    monkeypatch.setattr(admin, "CHANGE_BATCH", 3)
+    monkeypatch.setattr(batches, "CHANGE_BATCH", 3)
     ids = [one_message(engine, "failed") for _ in range(7)]
     with refusing_log(engine, above=ids[2]):
         stopped = cli(backend, "requeue", "--status", "failed", "--yes", "--json")
@@ -451,14 +453,14 @@ def test_a_resolve_that_commits_first_wins_over_a_relay_claim(server_backend, mo
     (mid,) = enqueue(engine, 1, short=True)
     set_row(engine, mid, status="retrying", next_attempt_at=datetime.now(UTC) - timedelta(1))
     holding, release = threading.Event(), threading.Event()
-    write_log = admin._log
+    write_log = ops.log_actions
 
     def slow_log(conn: sa.Connection, rows: Any) -> None:
         write_log(conn, rows)
         holding.set()
         release.wait(30)
 
-    monkeypatch.setattr(admin, "_log", slow_log)
+    monkeypatch.setattr(ops, "log_actions", slow_log)
     outcome: list[Any] = []
     worker = threading.Thread(
         target=lambda: outcome.append(
