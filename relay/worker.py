@@ -23,7 +23,8 @@ import tenacity
 
 from outbox.schema import RelayState
 from relay.clock import DatabaseClock
-from relay.config import RelayConfig, valid_send_rate
+from relay.config import RelayConfig
+from relay.loop.admission import total_rate
 from relay.loop.completer import Completer
 from relay.loop.connection import LoopConnection
 from relay.loop.dispatch import Dispatch
@@ -41,7 +42,6 @@ __all__ = ["STUCK_RETRY", "Relay"]
 _log = logging.getLogger("relay")
 
 STUCK_RETRY = 30.0  # seconds between tries to save a finished send that could not be saved
-_AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 
 
 class _Stopped(Exception):
@@ -65,23 +65,23 @@ class Relay:
         the random source of every jitter (retry backoff, polling, reconnecting), a seeded one
         for a replayable run."""
         self.sender = as_sender(sender)
-        self.config = config
+        self._config = config
         self._db_clock = DatabaseClock() if clock is None else None
         self.clock: Callable[[], datetime] = clock if clock is not None else self._db_clock  # type: ignore[assignment]
         self.relay_id = config.relay_id
         self._rng = rng if rng is not None else random.Random()
-        self.rate = RateController(self._total_rate())
+        self.rate = RateController(total_rate(config.max_send_rate, self.sender))
         # the send budget all relays share; without --max-send-rate it is never touched
-        self.limiter = SendBudget(self.rate, clock=lambda: self.clock())
-        self.pauses = Pauses(config.pause_seconds)
+        self._limiter = SendBudget(self.rate, clock=lambda: self.clock())
+        self._pauses = Pauses(config.pause_seconds)
         self.state = RelayState.RUNNING
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self.connection = LoopConnection(engine, config, self._db_clock, self._rng)
-        self.registry = Registry(config, self.connection, self.clock)
-        self.dispatch = Dispatch(self.sender, config, self.limiter, self._wake)
+        self.registry = Registry(config, self.connection, lambda: self.clock())
+        self.dispatch = Dispatch(lambda: self.sender, config, self.limiter, self._wake)
         self.completer = Completer(
-            self, config, self.connection, self._rng, stuck_retry=STUCK_RETRY
+            self, config, self.connection, self._rng, stuck_retry=lambda: STUCK_RETRY
         )
         self.control = PauseControl(
             self.pauses,
@@ -93,7 +93,7 @@ class Relay:
         self.producer = Producer(
             source=self,
             config=config,
-            clock=self.clock,
+            clock=lambda: self.clock(),
             connection=self.connection,
             completer=self.completer,
             dispatch=self.dispatch,
@@ -150,26 +150,46 @@ class Relay:
         """Finished sends that could not be saved as they were."""
         return self.completer.set_aside
 
-    def _total_rate(self) -> float | None:
-        setting = self.config.max_send_rate
-        if setting != "auto":
-            return setting
-        try:
-            rate = self.sender.max_send_rate()
-        except Exception as exc:  # a custom sender's bug must not stop the relay starting
-            rate, why = None, f"an error reading the account rate ({type(exc).__name__}: {exc})"
-        else:
-            why = "no account rate" if rate is None else f"an unusable account rate {rate!r}"
-        if not valid_send_rate(rate):  # None, or a value no limit can be built on
-            _log.warning(
-                "--max-send-rate auto: the sender reports %s; using %g/s",
-                why,
-                _AUTO_RATE_FALLBACK,
-                extra={"action": "send_rate"},
-            )
-            return _AUTO_RATE_FALLBACK
-        _log.info("account send rate %g/s", rate, extra={"action": "send_rate"})
-        return float(rate)
+    @set_aside.setter
+    def set_aside(self, count: int) -> None:
+        self.completer.set_aside = count
+
+    # the settings and state the services share: replacing one on the relay replaces it in
+    # every service that holds it, as when the loop read them from the relay at each use
+
+    @property
+    def config(self) -> RelayConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: RelayConfig) -> None:
+        self._config = config
+        self._share("config", config)
+
+    @property
+    def pauses(self) -> Pauses:
+        return self._pauses
+
+    @pauses.setter
+    def pauses(self, pauses: Pauses) -> None:
+        self._pauses = pauses
+        self._share("pauses", pauses)
+
+    @property
+    def limiter(self) -> SendBudget:
+        """The send budget all relays share; without --max-send-rate it is never touched."""
+        return self._limiter
+
+    @limiter.setter
+    def limiter(self, limiter: SendBudget) -> None:
+        self._limiter = limiter
+        self._share("limiter", limiter)
+
+    def _share(self, name: str, value: object) -> None:
+        services = (self.connection, self.registry, self.dispatch, self.completer, self.control)
+        for service in (*services, self.leases, self.producer, *self.producer.filters):
+            if hasattr(service, name):
+                setattr(service, name, value)
 
     def run(self) -> None:
         """Run until stopped or, with ``exit_when_idle``, until there is nothing left to do.

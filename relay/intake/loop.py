@@ -115,6 +115,10 @@ class Intake:
         ``wait_seconds``). Thread/signal-safe."""
         self._stopping.set()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     # what /healthz and /readyz read (the relay's names): the intake is never paused
     paused = False
     pause_code = None

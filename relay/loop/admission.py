@@ -17,16 +17,20 @@ import sqlalchemy as sa
 from outbox.message import Email
 from outbox.schema import AttemptOutcome
 from relay import store
+from relay.config import valid_send_rate
 from relay.loop.pausing import scopes
 from relay.loop.records import Done, Ready, fitted
 from relay.pause import Admission, Pauses, Scope
 from relay.policy import Action, Decision
 from relay.ratelimit import SendBudget, Slot
 from relay.recipients import address_key
+from relay.senders import Sender
 
-__all__ = ["BudgetFilter", "PauseFilter", "SuppressionFilter", "Wave"]
+__all__ = ["BudgetFilter", "PauseFilter", "SuppressionFilter", "Wave", "total_rate"]
 
 _log = logging.getLogger("relay")
+
+_AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 
 Wave = list[tuple[Ready, Slot | None]]  # messages to start, each with its slot (None: now)
 
@@ -54,27 +58,27 @@ class BudgetFilter:
     every second within the limit, in the pass's transaction, under the budget's lock."""
 
     def __init__(self, limiter: SendBudget, relay_id: str, clock: Callable[[], datetime]) -> None:
-        self._limiter = limiter
+        self.limiter = limiter
         self._relay_id = relay_id
         self._clock = clock
 
     def admissible(self, ready: list[Ready]) -> bool:
-        return bool(ready) and self._limiter.available() >= 1
+        return bool(ready) and self.limiter.available() >= 1
 
     def admit(self, conn: sa.Connection, ready: list[Ready]) -> Wave:
         """The first of ``ready`` the limit lets start, in order, each with its slot; the
         rest wait for a later pass."""
-        if self._limiter.rate is None:
+        if self.limiter.rate is None:
             return [(r, None) for r in ready]
-        if not ready or self._limiter.available() < 1:
+        if not ready or self.limiter.available() < 1:
             return []
         store.lock_send_budget(conn)
         now, mono = self._clock(), time.monotonic()  # after the lock: it may have been waited for
-        booked = store.send_bookings(conn, since=self._limiter.lookback(now))
+        booked = store.send_bookings(conn, since=self.limiter.lookback(now))
         sizes = [max(1, r.claim.recipient_count) for r in ready]
-        planned = self._limiter.plan(booked, sizes, now)
+        planned = self.limiter.plan(booked, sizes, now)
         store.book_sends(conn, relay_id=self._relay_id, bookings=planned)
-        if (cutoff := self._limiter.prune_due(now)) is not None:
+        if (cutoff := self.limiter.prune_due(now)) is not None:
             store.prune_send_budget(conn, before=cutoff)
         return [
             (r, Slot(planned=mono, start=mono + (booking.start - now).total_seconds()))
@@ -88,7 +92,7 @@ class SuppressionFilter:
     stored payload is not changed, so a later attempt screens against its own time's list."""
 
     def __init__(self, pauses: Pauses) -> None:
-        self._pauses = pauses
+        self.pauses = pauses
 
     def screen(self, conn: sa.Connection, wave: Wave, now: datetime) -> tuple[Wave, list[Done]]:
         """The wave to send, and the messages barred from it (to be saved as failed)."""
@@ -127,7 +131,7 @@ class SuppressionFilter:
                     )
                 )
                 if ready.probe is not None:  # nothing was sent: the scope is still unprobed
-                    self._pauses.probe_lost(ready.probe)
+                    self.pauses.probe_lost(ready.probe)
                 continue
             rest = dataclasses.replace(
                 email,
@@ -149,3 +153,26 @@ class SuppressionFilter:
 
 def _without(addresses: Iterable[str], suppressed: set[str]) -> tuple[str, ...]:
     return tuple(a for a in addresses if address_key(a) not in suppressed)
+
+
+def total_rate(setting: float | str | None, sender: Sender) -> float | None:
+    """The send rate ``--max-send-rate`` asks for (None: no limit); ``auto`` reads the
+    account's from the sender, falling back to 1/s when it cannot."""
+    if setting != "auto":
+        return setting  # type: ignore[return-value]
+    try:
+        rate = sender.max_send_rate()
+    except Exception as exc:  # a custom sender's bug must not stop the relay starting
+        rate, why = None, f"an error reading the account rate ({type(exc).__name__}: {exc})"
+    else:
+        why = "no account rate" if rate is None else f"an unusable account rate {rate!r}"
+    if not valid_send_rate(rate):  # None, or a value no limit can be built on
+        _log.warning(
+            "--max-send-rate auto: the sender reports %s; using %g/s",
+            why,
+            _AUTO_RATE_FALLBACK,
+            extra={"action": "send_rate"},
+        )
+        return _AUTO_RATE_FALLBACK
+    _log.info("account send rate %g/s", rate, extra={"action": "send_rate"})
+    return float(rate)

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,21 +38,21 @@ class Completer:
         connection: LoopConnection,
         rng: random.Random,
         *,
-        stuck_retry: float,
+        stuck_retry: Callable[[], float],
     ) -> None:
         self._source = source  # the relay: the sender of every signal
-        self._config = config
+        self.config = config
         self._connection = connection
         self._rng = rng
         self.unsaved: list[Done] = []
         self.stuck: list[Done] = []
         self.set_aside = 0  # finished sends that could not be saved as they were
-        self._stuck_retry = stuck_retry  # seconds between tries to save a stuck one
+        self._stuck_retry = stuck_retry  # seconds between tries to save a stuck one, read each time
         self._last_stuck_retry = 0.0
 
     def collect(
         self,
-        finished: list[tuple[InFlight, Outcome, float]],
+        finished: Iterable[tuple[InFlight, Outcome, float]],
         now: datetime,
         react: Callable[[Outcome, Scope | None], None],
     ) -> None:
@@ -62,7 +62,7 @@ class Completer:
             decision = fitted(decide(outcome, flight.claim.state, now, self._rng))
             if isinstance(outcome, Disabled) and outcome.pause and outcome.scope != ACCOUNT:
                 # only this scope is paused: its message steps back in line until its probe
-                later = now + timedelta(seconds=self._config.pause_seconds)
+                later = now + timedelta(seconds=self.config.pause_seconds)
                 decision = dataclasses.replace(decision, next_attempt_at=later)
             self.unsaved.append(
                 Done(
@@ -103,7 +103,7 @@ class Completer:
         ]
         if not attempts:
             return applied
-        relay_id = self._config.relay_id
+        relay_id = self.config.relay_id
         store.record_attempts(
             conn,
             (
@@ -136,7 +136,7 @@ class Completer:
         """Save each of ``batch`` in its own transaction. One that fails is saved again
         without its attempt row (logged in full instead); one whose transition itself fails
         is set aside: kept, its lease renewed (the sweep must never turn a known outcome into
-        an ambiguous one), retried every ``stuck_retry`` seconds (``save_failed``)."""
+        an ambiguous one), retried every ``stuck_retry()`` seconds (``save_failed``)."""
         for done in batch:
             try:
                 try:
@@ -163,7 +163,7 @@ class Completer:
             announce_saved(self._source, [done], applied)
 
     def retry_stuck(self, now: datetime) -> None:
-        if self.stuck and time.monotonic() - self._last_stuck_retry >= self._stuck_retry:
+        if self.stuck and time.monotonic() - self._last_stuck_retry >= self._stuck_retry():
             self._last_stuck_retry = time.monotonic()
             self.save_alone(list(self.stuck), now)
 

@@ -34,7 +34,7 @@ class LoopConnection:
         rng: random.Random,
     ) -> None:
         self.engine = engine
-        self._config = config
+        self.config = config
         self._db_clock = db_clock
         self._rng = rng
         self.conn: sa.Connection | None = None
@@ -49,7 +49,7 @@ class LoopConnection:
         if self.conn is None:
             conn = self.engine.connect()
             try:
-                _end_idle_transactions(conn, self._config.lease_seconds)
+                _end_idle_transactions(conn, self.config.lease_seconds)
                 if self._db_clock is not None:
                     self._db_clock.sample(conn)  # a new connection may be a new server
                     conn.commit()
@@ -91,14 +91,14 @@ class LoopConnection:
             # back after an outage: the other relays are coming back too (each within one
             # backoff, at most a heartbeat interval), and need a moment to save and renew
             # what they hold before anyone sweeps it
-            self.sweep_from = time.monotonic() + 2 * self._config.heartbeat_interval
+            self.sweep_from = time.monotonic() + 2 * self.config.heartbeat_interval
         self.failures = 0
         return True if result is None else result
 
     def backoff(self) -> float:
         """At most a heartbeat interval: after an outage every relay is back within one,
         before anyone's sweep (which waits two) can take its sends."""
-        cap = min(30.0, self._config.heartbeat_interval)
+        cap = min(30.0, self.config.heartbeat_interval)
         return retry_delay(self.failures, self._rng, cap=cap)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
@@ -23,11 +24,15 @@ class Dispatch:
     """The sends in flight, each on a thread of its own pool."""
 
     def __init__(
-        self, sender: Sender, config: RelayConfig, limiter: SendBudget, wake: threading.Event
+        self,
+        sender: Callable[[], Sender],
+        config: RelayConfig,
+        limiter: SendBudget,
+        wake: threading.Event,
     ) -> None:
-        self._sender = sender
-        self._config = config
-        self._limiter = limiter
+        self._sender = sender  # read at each send: the relay's sender may be replaced
+        self.config = config
+        self.limiter = limiter
         self._wake = wake
         # twice the concurrency: a call hung past --send-timeout keeps its thread, but not its
         # slot; once as many are hung as there are slots, the relay pauses (sender_hung)
@@ -80,7 +85,7 @@ class Dispatch:
                 claim=claim,
                 started_at=started_at,
                 future=future,
-                deadline=started + self._config.send_timeout,
+                deadline=started + self.config.send_timeout,
                 probe=ready.probe,
                 dropped=ready.dropped,
                 trace=span,
@@ -95,7 +100,7 @@ class Dispatch:
         raises is ambiguous (the request may have left before the error). A thread that
         starts after the lease ran out (the process was frozen) does not send: another relay
         may have swept the row already."""
-        if slot is not None and (late := self._limiter.wait(slot)) is not None:
+        if slot is not None and (late := self.limiter.wait(slot)) is not None:
             # later than its booking allows: sending now could crowd a second of the budget
             _log.warning(
                 "send started %.3fs after its booked time; given back unsent",
@@ -110,7 +115,7 @@ class Dispatch:
         if began >= deadline:
             return Disabled(code="lease_lost", message="lease expired before the send"), 0.0
         try:
-            outcome: Outcome = self._sender.send(message)
+            outcome: Outcome = self._sender().send(message)
         except Exception as exc:
             _log.exception(
                 "sender raised", extra={"action": "sender_error", "message_id": message.id}
@@ -118,15 +123,15 @@ class Dispatch:
             outcome = Ambiguous(code="sender_exception", message=f"{type(exc).__name__}: {exc}")
         return outcome, time.monotonic() - began
 
-    def finished(self) -> list[tuple[InFlight, Outcome, float]]:
-        """Take the sends that finished, with their outcome and the call's seconds."""
-        done = []
+    def finished(self) -> Iterator[tuple[InFlight, Outcome, float]]:
+        """The sends that finished, with their outcome and the call's seconds, each taken out
+        of flight only as it is handed over: if handling one raises (a pause's give-back
+        meets a dropped connection), the rest stay in flight for the next pass."""
         for key, flight in list(self.in_flight.items()):
             if flight.future.done():
                 del self.in_flight[key]
                 outcome, duration = flight.future.result()
-                done.append((flight, outcome, duration))
-        return done
+                yield flight, outcome, duration
 
     def shutdown(self, *, cancel: bool = True) -> None:
         self.pool.shutdown(wait=False, cancel_futures=cancel)

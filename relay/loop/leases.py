@@ -36,7 +36,7 @@ class Leases:
         producer: Producer,
         on_hung: Callable[[], None],
     ) -> None:
-        self._config = config
+        self.config = config
         self._connection = connection
         self._dispatch = dispatch
         self._completer = completer
@@ -44,7 +44,7 @@ class Leases:
         self._on_hung = on_hung
 
     def extend(self, now: datetime) -> None:
-        half = timedelta(seconds=self._config.lease_seconds / 2)
+        half = timedelta(seconds=self.config.lease_seconds / 2)
         mono = time.monotonic()
         dispatch, completer, producer = self._dispatch, self._completer, self._producer
         held: list[store.Claim] = []
@@ -57,14 +57,14 @@ class Leases:
                     "send still running past --send-timeout; its lease is left to expire",
                     extra={"action": "send_overdue", "message_id": flight.claim.id},
                 )
-                if dispatch.hung() >= self._config.concurrency:
+                if dispatch.hung() >= self.config.concurrency:
                     self._on_hung()
         held += [done.claim for done in completer.unsaved + completer.stuck]
         held += [ready.claim for ready in producer.ready]
         due = [claim for claim in held if claim.lease_expires_at - now < half]
         if not due:
             return
-        until = now + timedelta(seconds=self._config.lease_seconds)
+        until = now + timedelta(seconds=self.config.lease_seconds)
         kept: set[tuple[int, str]] = set()
         with self._connection.transaction() as conn:
             for token, ids in by_token(due).items():

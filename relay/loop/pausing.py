@@ -53,7 +53,7 @@ class PauseControl:
         release: Callable[[Scope | None], None],
     ) -> None:
         self.pauses = pauses
-        self._config = config
+        self.config = config
         self._rate = rate
         self._on_account = on_account
         self._release = release
@@ -97,7 +97,7 @@ class PauseControl:
             "sending paused (%s: %s); probing again in %gs",
             scope,
             code,
-            self._config.pause_seconds,
+            self.config.pause_seconds,
             extra={
                 "action": "paused" if first else "still_paused",
                 "code": code,
@@ -113,7 +113,7 @@ class PauseControl:
     def due_to_end(self) -> list[Scope]:
         """Scoped pauses past their probe time that have held no message for longer than a
         pause: whatever they held has been due again since, and was not claimed."""
-        grace = max(1.0, 2 * self._config.poll_interval)
+        grace = max(1.0, 2 * self.config.poll_interval)
         return [
             s
             for s in self.pauses.scopes
@@ -127,7 +127,7 @@ class PauseControl:
         them while this relay runs alone; beside others (each skips what another locked),
         only those idle for ten pause periods, at least ten minutes (docs/design.md,
         Decisions: "Pauses have a scope")."""
-        since = now - timedelta(seconds=3 * self._config.heartbeat_interval)
+        since = now - timedelta(seconds=3 * self.config.heartbeat_interval)
         running, _ = store.live_heartbeats(conn, since=since)
         if running <= 1:
             return due

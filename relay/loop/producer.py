@@ -50,18 +50,19 @@ class Producer:
         stopping: threading.Event,
     ) -> None:
         self._source = source  # the relay: the sender of every signal
-        self._config = config
+        self.config = config
         self._clock = clock
         self._connection = connection
         self._completer = completer
         self._dispatch = dispatch
-        self._pauses = pauses
+        self.pauses = pauses
         self._control = control
-        self._limiter = limiter
+        self.limiter = limiter
         self._stopping = stopping
-        self._held = PauseFilter(pauses)
-        self._budget = BudgetFilter(limiter, config.relay_id, clock)
-        self._suppressions = SuppressionFilter(pauses)
+        self.held = PauseFilter(pauses)
+        self.budget = BudgetFilter(limiter, config.relay_id, clock)
+        self.suppressions = SuppressionFilter(pauses)
+        self.filters = (self.held, self.budget, self.suppressions)
         self.ready: list[Ready] = []  # claimed, not yet started
         self.probe_found_nothing = False  # an account probe's claim found no due message
 
@@ -70,11 +71,11 @@ class Producer:
         if self._stopping.is_set():
             return 0, False
         sending = self._dispatch.sending()
-        free = self._config.concurrency - sending - len(self.ready)
-        limit = min(free, self._config.batch_size, int(min(self._limiter.available(), 1e9)))
-        if not self._pauses.account_paused:
+        free = self.config.concurrency - sending - len(self.ready)
+        limit = min(free, self.config.batch_size, int(min(self.limiter.available(), 1e9)))
+        if not self.pauses.account_paused:
             return max(0, limit), False
-        if not self._pauses.probe_due(ACCOUNT) or sending or self.ready:
+        if not self.pauses.probe_due(ACCOUNT) or sending or self.ready:
             return 0, False
         return min(limit, 1), limit > 0
 
@@ -87,7 +88,7 @@ class Producer:
         the claim did not commit, that mark finds no row and nothing is sent)."""
         limit, probe = self.claim_limit()
         completer = self._completer
-        if not (completer.unsaved or limit > 0 or self._budget.admissible(self.ready)):
+        if not (completer.unsaved or limit > 0 or self.budget.admissible(self.ready)):
             return False
         due_before = self._control.due_to_end()
         batch = list(completer.unsaved)
@@ -108,17 +109,17 @@ class Producer:
                     began = time.monotonic()
                     claims, expired = store.claim_batch(
                         conn,
-                        relay_id=self._config.relay_id,
+                        relay_id=self.config.relay_id,
                         limit=limit,
                         now=now,
-                        lease_seconds=self._config.lease_seconds,
+                        lease_seconds=self.config.lease_seconds,
                     )
                     self._accept(conn, claims, now, pending, invalid)
                     if due_before and len(claims) + len(expired) < limit:
                         due_before = self._control.unheld(conn, due_before, now)
-                wave = self._budget.admit(conn, pending)
+                wave = self.budget.admit(conn, pending)
                 admitted = len(wave)
-                wave, barred = self._suppressions.screen(conn, wave, now)
+                wave, barred = self.suppressions.screen(conn, wave, now)
                 barred_applied = completer.save(conn, barred, now)
                 for token, ids in by_token(r.claim for r, _ in wave).items():
                     stamped, at = store.mark_send_started_at(
@@ -159,12 +160,12 @@ class Producer:
         if probe:
             self.probe_found_nothing = not (claims or self.ready or wave)
             if self.probe_found_nothing:
-                self._pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
+                self.pauses.probe_lost(ACCOUNT)  # nothing to probe with: look again later
         elif due_before and limit > 0 and len(claims) + len(expired) < limit:
             self._control.retire_unprobed(due_before)
         for ready in self._dispatch.start(wave, marked, now):
             if ready.probe is not None:  # the probe is gone: probe again after a pause
-                self._pauses.probe_lost(ready.probe)
+                self.pauses.probe_lost(ready.probe)
         return bool(batch or claims or expired or admitted)
 
     def _accept(
@@ -200,7 +201,7 @@ class Producer:
                 )
                 continue
             trace = tracing.stored(payload)
-            go, probe, wait = self._held.admit(email)
+            go, probe, wait = self.held.admit(email)
             if go:
                 pending.append(Ready(claim=claim, email=email, probe=probe, trace=trace))
             else:
@@ -221,7 +222,7 @@ class Producer:
             chosen, later = self.ready, None
         else:
             chosen = [r for r in self.ready if scope.holds(scopes(r.email))]
-            later = self._clock() + timedelta(seconds=self._config.pause_seconds)
+            later = self._clock() + timedelta(seconds=self.config.pause_seconds)
         if not chosen:
             return
         now = self._clock()
@@ -242,6 +243,6 @@ class Producer:
             _log.info("released unstarted", extra={"action": "released", "message_id": claim.id})
             signals.released.send(self._source, message_id=claim.id, category=claim.category)
             if ready.probe is not None:
-                self._pauses.probe_lost(ready.probe)
+                self.pauses.probe_lost(ready.probe)
         gone = {id(r) for r in chosen}
         self.ready = [r for r in self.ready if id(r) not in gone]

@@ -33,7 +33,7 @@ class Registry:
         connection: LoopConnection,
         clock: Callable[[], datetime],
     ) -> None:
-        self._config = config
+        self.config = config
         self._connection = connection
         self._clock = clock
         self.relay_id = config.relay_id
@@ -82,7 +82,7 @@ class Registry:
         """Show this relay alive on its row, registering again if the row is gone; returns
         the relay that took the id over (this one looked dead for three heartbeat intervals:
         frozen, or cut off from the database), which means stop: one id, one relay."""
-        if time.monotonic() - self._last_heartbeat < self._config.heartbeat_interval:
+        if time.monotonic() - self._last_heartbeat < self.config.heartbeat_interval:
             return None
         holder = None
         with self._connection.transaction() as conn:
@@ -155,7 +155,7 @@ class Registry:
             host=socket.gethostname(),
             pid=os.getpid(),
             now=now,
-            dead_after=3 * self._config.heartbeat_interval,
+            dead_after=3 * self.config.heartbeat_interval,
             unseen=tuple(self._unseen),
         )
         if holder is None:

@@ -511,3 +511,58 @@ def test_a_stale_call_finishing_beside_its_reclaim_is_recorded_stale_and_signall
         ("stale:accepted", f"ses-{mid}-1"),
         ("accepted", f"ses-{mid}-2"),
     ]
+
+
+@pytest.mark.parametrize("category", [None, "digest"], ids=["hold", "resend"])
+def test_a_finished_send_beside_a_pause_is_saved_when_the_give_back_fails(
+    backend, monkeypatch, category
+):
+    """Two sends finish in one pass: the first pauses the account, whose give-back of the
+    claims waiting to start meets a dropped connection. The second, accepted by the provider,
+    is still saved as sent, once: it stays in flight for the next pass (it was once dropped
+    with the pass, its lease left to the sweep: unknown_outcome, or a second send under
+    ``resend``). Found by the attack review of the loop's split into services."""
+    kw = {"outbox": OUTBOX, "category": category} if category else {}
+    ids = enqueue(backend.engine, 4, to=[f"a{i}@example.com" for i in range(6)], **kw)
+    gates = {i: threading.Event() for i in ids}
+
+    def script(message: OutgoingMessage) -> Disabled | None:
+        gates[message.id].wait(10)
+        if message.id == ids[0]:
+            return Disabled(code="AccountSendingPaused", message="paused", pause=True)
+        return None  # accepted
+
+    clock = Clock()
+    sender = FakeSender(script)
+    with closing(relay_for(backend, sender, clock, concurrency=4, max_send_rate=6.0)) as relay:
+        relay.step()  # the first send in flight, a claim waiting for the budget
+        for _ in range(40):
+            if len(relay.dispatch.in_flight) >= 2:
+                break
+            time.sleep(0.1)
+            clock.advance(0.1)
+            relay.step()
+        first, second = sorted(key[0] for key in relay.dispatch.in_flight)
+        assert relay.producer.ready, "a claim waits to start, to be given back by the pause"
+        for gate in gates.values():
+            gate.set()
+        wait_for(
+            lambda: all(f.future.done() for f in relay.dispatch.in_flight.values()),
+            what="both sends to finish",
+        )
+
+        def dropped(*args: object, **kwargs: object) -> int:
+            raise sa.exc.OperationalError(
+                "UPDATE", {}, ConnectionResetError("server closed the connection unexpectedly")
+            )
+
+        with monkeypatch.context() as patched:
+            patched.setattr(store, "release_unsent", dropped)
+            assert relay.connection.guard(relay.step) is None  # the pass saw the drop
+        for _ in range(3):
+            relay.connection.guard(relay.step)
+    r = row(backend.engine, second)
+    assert (r.status, r.provider_message_id) == ("sent", f"fake-{second}-1")
+    assert [a.outcome for a in attempt_rows(backend.engine, second)] == ["accepted"]
+    assert [m.id for m in sender.calls].count(second) == 1
+    assert first != second

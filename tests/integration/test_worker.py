@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -368,3 +369,20 @@ def test_the_server_ends_a_transaction_the_relay_left_idle_past_its_lease(server
     with relay.connection.transaction() as conn:  # the next pass starts on a fresh connection
         assert conn.execute(sa.select(sa.literal(1))).scalar() == 1
     relay.connection.drop()
+
+
+def test_a_sender_or_settings_replaced_on_the_relay_are_what_its_loop_uses(backend):
+    """An embedder (or a test) that replaces the relay's sender or settings after building it
+    gets them used by every part of the loop, as when the loop read them from the relay at
+    each use. Found by the attack review of the loop's split into services: the services kept
+    the ones they were built with."""
+    ids = enqueue(backend.engine, 3)
+    built_with, replaced = FakeSender(), FakeSender()
+    relay = relay_for(backend, built_with, concurrency=8, batch_size=50)
+    relay.sender = replaced
+    relay.config = dataclasses.replace(relay.config, concurrency=1, batch_size=1)
+    relay.step()
+    assert sum(s != "pending" for s in statuses(backend.engine).values()) == 1
+    settle(relay)
+    assert built_with.calls == []
+    assert sorted(replaced.called_ids) == ids
