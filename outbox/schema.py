@@ -18,6 +18,7 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
 
 __all__ = [
+    "ADDRESS_CHARS",
     "CLAIMABLE",
     "DEFAULT_RECONCILE_AFTER",
     "MAX_BACKOFF_SECONDS",
@@ -420,7 +421,8 @@ sa.Index(
 
 # Addresses the relay never mails (lower-cased). Compared byte for byte: MariaDB's default
 # collation would make "jose@" and "josé@" one key.
-_Address = sa.String(320).with_variant(
+ADDRESS_CHARS = 320  # the longest address RFC 5321 allows; a suppression is keyed on it
+_Address = sa.String(ADDRESS_CHARS).with_variant(
     mysql.VARCHAR(320, collation="utf8mb4_bin"), "mysql", "mariadb"
 )
 
@@ -462,7 +464,7 @@ operator_actions = sa.Table(
     sa.Column("actor", sa.String(255), nullable=False),
     sa.Column("action", sa.String(30), nullable=False),
     sa.Column("message_id", _BigId, nullable=True, index=True),
-    sa.Column("address", sa.String(320), nullable=True),
+    sa.Column("address", sa.String(ADDRESS_CHARS), nullable=True),
     sa.Column("reason", sa.Text(), nullable=True),
     sa.Column("detail", sa.Text(), nullable=True),
     mysql_engine="InnoDB",

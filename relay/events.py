@@ -32,16 +32,16 @@ from datetime import UTC, datetime
 from email.utils import parseaddr
 from typing import Any
 
-from outbox.schema import DeliveryStatus, EventType
+from outbox.schema import ADDRESS_CHARS, DeliveryStatus, EventType
 
-__all__ = ["MAX_BODY_BYTES", "SesEvent", "parse"]
+__all__ = ["MAX_BODY_BYTES", "SesEvent", "parse", "recorded_status"]
 
 # SQS's largest message: a longer body was not put there by SNS, EventBridge or SES.
 MAX_BODY_BYTES = 256 * 1024
 
 _DETAIL_CHARS = 255  # outbox_events.detail
 _PROVIDER_ID_CHARS = 255  # outbox_events.provider_message_id
-_ADDRESS_CHARS = 320  # outbox_suppressions.address
+_ADDRESS_CHARS = ADDRESS_CHARS
 _TAG_CHARS = 64  # outbox_events.tagged_message_id
 _CLAIM_TOKEN_CHARS = 36  # outbox_events.claim_token (a UUID)
 _TIMESTAMP_CHARS = 64
@@ -427,3 +427,24 @@ def _address(raw: object) -> str | None:
     ):
         return None
     return address
+
+
+_STATUS_OF_TYPE = {
+    EventType.DELIVERY: DeliveryStatus.DELIVERED,
+    EventType.DELIVERY_DELAY: DeliveryStatus.DELAYED,
+    EventType.REJECT: DeliveryStatus.REJECTED,
+    EventType.RENDERING_FAILURE: DeliveryStatus.REJECTED,
+}
+
+
+def recorded_status(kind: EventType, detail: str | None) -> DeliveryStatus | None:
+    """What an event recorded as ``kind`` with ``detail`` means for its row's delivery status:
+    :func:`parse`'s reading, again, from what it stored (a deferred event is applied later)."""
+    if kind is EventType.BOUNCE:
+        suppressed = detail in ("Permanent/Suppressed", "Permanent/OnAccountSuppressionList")
+        return DeliveryStatus.SUPPRESSED if suppressed else DeliveryStatus.BOUNCED
+    if kind is EventType.COMPLAINT:
+        if detail == "OnAccountSuppressionList":
+            return DeliveryStatus.SUPPRESSED
+        return DeliveryStatus.COMPLAINED
+    return _STATUS_OF_TYPE.get(kind)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import click
 import sqlalchemy as sa
 
-from outbox.schema import AttemptOutcome, OperatorAction, Status
+from outbox.schema import AttemptOutcome, OperatorAction, Status, messages
 from relay import store
 from relay.admin import options
 from relay.admin.batches import Change, Interrupted, in_batches, operator_attempt, operator_id
@@ -22,8 +22,6 @@ from relay.clock import read_database_time
 from relay.store import operator as ops
 
 __all__ = ["cancel", "requeue", "resolve"]
-
-_REQUEUEABLE = (Status.UNKNOWN_OUTCOME.value, Status.FAILED.value)
 
 
 def _select(
@@ -158,7 +156,7 @@ def requeue(
         verb="requeue",
         done_as=AttemptOutcome.REQUEUED,
         action=OperatorAction.REQUEUE,
-        allowed=_REQUEUEABLE,
+        allowed=store.REQUEUEABLE,
         apply=store.requeue_many,
     )  # fmt: skip
 
@@ -183,7 +181,7 @@ def cancel(
         verb="cancel",
         done_as=AttemptOutcome.CANCELLED,
         action=OperatorAction.CANCEL,
-        allowed=(Status.PENDING.value, Status.RETRYING.value),
+        allowed=store.CANCELLABLE,
         apply=store.cancel_many,
     )  # fmt: skip
 
@@ -204,7 +202,7 @@ _WHY_NOT_RESOLVED = {
     Status.CANCELLED.value: "it was cancelled: the outbox never sent it, so it cannot have "
     "been delivered by it",
 }
-_PROVIDER_ID_LENGTH = 255  # outbox_messages.provider_message_id
+_PROVIDER_ID_LENGTH: int = cast(sa.String, messages.c.provider_message_id.type).length or 0
 
 
 def _check_provider_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -337,10 +335,10 @@ def _resolve_not_delivered(
     reason: str | None,
     actor: str,
 ) -> dict[str, Any]:
-    if previous not in _REQUEUEABLE:
+    if previous not in store.REQUEUEABLE:
         raise click.ClickException(
             f"cannot resolve message {message_id} as not delivered: it is {previous}; only "
-            f"{' or '.join(_REQUEUEABLE)} messages are requeued"
+            f"{' or '.join(store.REQUEUEABLE)} messages are requeued"
         )
     if not store.requeue(conn, message_id=message_id, now=now):
         raise click.ClickException(

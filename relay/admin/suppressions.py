@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import click
 import sqlalchemy as sa
 
 from outbox.exceptions import InvalidEmail
 from outbox.message import validate_address
-from outbox.schema import OperatorAction, SuppressionReason
+from outbox.schema import OperatorAction, SuppressionReason, suppressions
 from relay.admin import options
 from relay.admin.batches import CHANGE_BATCH
 from relay.admin.output import detail, some, table, to_json
@@ -31,7 +31,7 @@ __all__ = [
     "suppressions_remove",
 ]
 
-_DETAIL_LENGTH = 255  # outbox_suppressions.detail
+_DETAIL_LENGTH: int = cast(sa.String, suppressions.c.detail.type).length or 0
 _SES_PAGE = 1000  # the most ListSuppressedDestinations returns a page
 
 

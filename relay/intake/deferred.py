@@ -8,9 +8,9 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from outbox.schema import DeliveryStatus, EventType
+from outbox.schema import EventType
 from relay.db import blames_the_row
-from relay.events import SesEvent
+from relay.events import SesEvent, recorded_status
 from relay.intake.apply import ACTOR, settle
 from relay.intake.outcome import Applied, log_applied
 from relay.store import events as event_sql
@@ -21,26 +21,6 @@ __all__ = ["DEFERRED_BATCH", "apply_deferred"]
 _log = logging.getLogger("relay.intake")
 
 DEFERRED_BATCH = 100  # deferred events applied per intake pass, oldest first
-
-_STATUS_OF_TYPE = {
-    EventType.DELIVERY: DeliveryStatus.DELIVERED,
-    EventType.DELIVERY_DELAY: DeliveryStatus.DELAYED,
-    EventType.REJECT: DeliveryStatus.REJECTED,
-    EventType.RENDERING_FAILURE: DeliveryStatus.REJECTED,
-}
-
-
-def _status_of(kind: EventType, detail: str | None) -> DeliveryStatus | None:
-    """What a recorded event means for its row's delivery status: the parser's reading
-    (:mod:`relay.events`), from the type and detail it stored."""
-    if kind is EventType.BOUNCE:
-        suppressed = detail in ("Permanent/Suppressed", "Permanent/OnAccountSuppressionList")
-        return DeliveryStatus.SUPPRESSED if suppressed else DeliveryStatus.BOUNCED
-    if kind is EventType.COMPLAINT:
-        if detail == "OnAccountSuppressionList":
-            return DeliveryStatus.SUPPRESSED
-        return DeliveryStatus.COMPLAINED
-    return _STATUS_OF_TYPE.get(kind)
 
 
 def _recorded_event(found: DeferredEvent) -> SesEvent | None:
@@ -62,7 +42,7 @@ def _recorded_event(found: DeferredEvent) -> SesEvent | None:
         detail=found.detail,
         recipients=tuple(a for a in (found.recipients or "").split(", ") if "@" in a),
         suppress=(),
-        delivery_status=_status_of(kind, found.detail),
+        delivery_status=recorded_status(kind, found.detail),
         error=None,
     )
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from relay.store.attempts import AttemptRecord, attempted_by, record_attempts
 from relay.store.budget import book_sends, lock_send_budget, prune_send_budget, send_bookings
 from relay.store.bulk import (
+    CANCELLABLE,
+    REQUEUEABLE,
     Filter,
     cancel,
     cancel_many,
@@ -81,9 +83,11 @@ from relay.store.sweep import (
 
 __all__ = [
     "BEAT_BEFORE_RECEIVE",
+    "CANCELLABLE",
     "MAX_RECONCILE_AFTER",
     "OUTBOX_TABLES",
     "RECEIVE_AFTER_HEARTBEAT",
+    "REQUEUEABLE",
     "AttemptRecord",
     "Claim",
     "Confirmed",

@@ -15,6 +15,8 @@ from outbox.schema import Status, attempts, messages
 from relay.store.finalize import _requeued_values
 
 __all__ = [
+    "CANCELLABLE",
+    "REQUEUEABLE",
     "Filter",
     "cancel",
     "cancel_many",
@@ -29,8 +31,8 @@ __all__ = [
 ]
 
 _m = messages
-_REQUEUEABLE = (Status.UNKNOWN_OUTCOME.value, Status.FAILED.value)
-_CANCELLABLE = (Status.PENDING.value, Status.RETRYING.value)
+REQUEUEABLE = (Status.UNKNOWN_OUTCOME.value, Status.FAILED.value)
+CANCELLABLE = (Status.PENDING.value, Status.RETRYING.value)
 
 
 def _change_many(
@@ -55,14 +57,14 @@ def _change_many(
 def requeue_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
     """unknown_outcome/failed -> pending, due now, with a fresh attempt budget; the ids
     requeued (the others had moved on)."""
-    return _change_many(conn, ids, _REQUEUEABLE, _requeued_values(now))
+    return _change_many(conn, ids, REQUEUEABLE, _requeued_values(now))
 
 
 def cancel_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
     """pending/retrying -> cancelled (a row being sent cannot be); the ids cancelled (the
     others had been claimed or had moved on)."""
     values = {"status": Status.CANCELLED.value, "updated_at": now}
-    return _change_many(conn, ids, _CANCELLABLE, values)
+    return _change_many(conn, ids, CANCELLABLE, values)
 
 
 def requeue(conn: sa.Connection, *, message_id: int, now: datetime) -> bool:

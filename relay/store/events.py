@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from outbox.schema import (
+    ADDRESS_CHARS,
     AttemptOutcome,
     DeliveryStatus,
     Status,
@@ -56,7 +57,7 @@ _UNMATCHED_CHARS = 300
 # any event's recipients: MySQL/MariaDB's TEXT holds 65,535 bytes, utf8mb4 takes up to 4 a
 # character (50 recipients of 320 characters fit)
 _TEXT_CHARS = 16_000
-_ADDRESS_CHARS = 320  # outbox_suppressions.address: the longest address RFC 5321 allows
+_ADDRESS_CHARS = ADDRESS_CHARS
 
 
 class Effect(enum.StrEnum):

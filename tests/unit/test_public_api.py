@@ -100,7 +100,7 @@ EXPORTS = {
         "IntakeMetrics",
         "RelayMetrics",
     ],
-    "relay.events": ["MAX_BODY_BYTES", "SesEvent", "parse"],
+    "relay.events": ["MAX_BODY_BYTES", "SesEvent", "parse", "recorded_status"],
 }
 
 
