@@ -34,7 +34,7 @@ FLAGS = (
     "--log-level",
 )
 
-PROJECT = str(Path(cli.__file__).resolve().parents[1])  # the relay this test imports
+PROJECT = str(Path(cli.__file__).resolve().parents[2])  # the relay this test imports
 
 
 def relay(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
