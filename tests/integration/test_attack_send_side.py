@@ -208,7 +208,7 @@ def test_a_send_ses_confirmed_after_the_sweep_is_never_requeued(backend):
         release.set()
         deadline = time.monotonic() + 5
         while first.in_flight and time.monotonic() < deadline:
-            first._finalize()
+            first.finalize()
             time.sleep(0.01)
     assert [(a.outcome, a.provider_message_id) for a in attempt_rows(backend.engine, mid)] == [
         ("lease_expired", None),
