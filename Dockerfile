@@ -58,7 +58,9 @@ RUN pip download --require-hashes --no-deps --only-binary=:all: --dest /wheels \
     && pip install --no-index --find-links=/wheels --require-hashes --no-deps \
         -r image-requirements.txt
 COPY pyproject.toml README.md LICENSE ./
+# outbox/_migrations is a symlink to migrations/ (COPY keeps it a link): the wheel holds the files
 COPY outbox ./outbox
+COPY migrations ./migrations
 COPY relay ./relay
 RUN pip wheel --no-index --no-deps --no-build-isolation --wheel-dir /wheels .
 

@@ -21,9 +21,10 @@ Two ways to create the outbox schema:
   not hold yet (:func:`run_outbox_revisions`); after upgrading sqlalchemy-outbox, run it again.
   Only :func:`include_object` goes into ``env.py``; ``version_locations`` stays the app's.
 
-The migrations are the package directory ``outbox/_migrations`` in the source tree, so every
-install (editable, wheel, sdist) has them at the same place. Pick one way per database: both
-record what they applied, in different tables.
+The migrations' one source is the top-level ``migrations/`` of the source tree. In a checkout
+``outbox/_migrations`` is a relative symlink to it; the wheel and the sdist hold the files
+there, so ``outbox:_migrations/versions`` names them in every install (editable, wheel, sdist).
+Pick one way per database: both record what they applied, in different tables.
 """
 
 from __future__ import annotations
@@ -79,12 +80,14 @@ VIEWS = frozenset(
 
 
 def migrations_dir() -> Path:
-    """The alembic script directory, ``outbox/_migrations``: the same path in the source tree
-    and in every install, so ``outbox:_migrations/versions`` always names it."""
-    candidate = Path(__file__).resolve().parent / "_migrations"
+    """The alembic script directory, ``outbox/_migrations`` (what ``outbox:_migrations/versions``
+    names), resolved: in a checkout, the top-level ``migrations/`` its symlink points to, so
+    that it compares equal to a ``version_locations`` entry resolved the same way."""
+    candidate = (Path(__file__).resolve().parent / "_migrations").resolve()
     if not (candidate / "env.py").is_file():
         raise FileNotFoundError(
-            f"the outbox migrations are missing from this installation: {candidate}"
+            f"the outbox migrations are missing from this installation: {candidate} (in a "
+            "checkout, outbox/_migrations is a symlink to migrations/: git's core.symlinks)"
         )
     return candidate
 

@@ -200,23 +200,25 @@ class DockerIgnore:
 
 
 def build_context(destination: Path) -> set[str]:
-    """Copy what Docker would send as the build context; the relative paths copied."""
+    """Copy what Docker would send as the build context; the relative paths copied. A symlink
+    is sent as a link (``outbox/_migrations``), as Docker sends it."""
     ignore = DockerIgnore.read(REPO / ".dockerignore")
     sent: set[str] = set()
     for root, dirs, files in os.walk(REPO):
         here = Path(root).relative_to(REPO).as_posix()
         prefix = "" if here == "." else here + "/"
+        links = [d for d in dirs if (Path(root) / d).is_symlink()]  # os.walk does not enter
         dirs[:] = [
             d
             for d in dirs
             if not ignore.excluded(prefix + d) or ignore.may_include_below(prefix + d)
         ]
-        for name in files:
+        for name in [*files, *links]:
             rel = prefix + name
             if not ignore.excluded(rel):
                 target = destination / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(REPO / rel, target)
+                shutil.copy2(REPO / rel, target, follow_symlinks=False)
                 sent.add(rel)
     return sent
 
@@ -544,7 +546,8 @@ def test_dockerignore_keeps_tests_venvs_and_caches_out_and_the_wheel_ships_the_m
         *sources, _destination = copy.split()
         for source in sources:
             assert any(p == source or p.startswith(source + "/") for p in image.context), source
-    assert "outbox/_migrations/versions/0001_outbox_initial.py" in image.context
+    assert "migrations/versions/0001_outbox_initial.py" in image.context
+    assert "outbox/_migrations" in image.context  # the symlink to migrations/, as a link
     for path in image.context:
         top = path.split("/", 1)[0]
         assert top in {
@@ -553,6 +556,7 @@ def test_dockerignore_keeps_tests_venvs_and_caches_out_and_the_wheel_ships_the_m
             "README.md",
             "LICENSE",
             "outbox",
+            "migrations",
             "relay",
         }, path
         assert "__pycache__" not in path
@@ -567,7 +571,7 @@ def test_dockerignore_keeps_tests_venvs_and_caches_out_and_the_wheel_ships_the_m
         "examples/deploy/compose.yaml",
         "outbox/__pycache__/enqueue.cpython-311.pyc",
         "relay/senders/__pycache__/ses.cpython-311.pyc",
-        "outbox/_migrations/versions/__pycache__/x.cpython-311.pyc",
+        "migrations/versions/__pycache__/x.cpython-311.pyc",
         "relay/.mypy_cache/3.11/relay.json",
         ".pytest_cache/v/cache/lastfailed",
         ".hypothesis/examples/x",

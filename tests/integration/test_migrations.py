@@ -4,6 +4,7 @@ async engines, and the same ``outbox/_migrations`` in the wheel and the sdist.""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import tarfile
@@ -15,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.util import coerce_resource_to_filename
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox import migrations
@@ -206,14 +208,19 @@ SHIPPED = {
 }
 
 
-def test_the_migrations_are_the_package_directory_in_the_source_tree():
-    """The same ``outbox/_migrations`` in the checkout (so an editable install has it) as in
-    a wheel: ``outbox:_migrations/versions`` names it everywhere."""
-    assert migrations.migrations_dir() == ROOT / "outbox" / "_migrations"
+def test_the_migrations_are_the_top_level_directory_the_package_links_to():
+    """One copy, the top-level ``migrations/``; in the checkout ``outbox/_migrations`` is a
+    relative symlink to it, so ``outbox:_migrations/versions`` names it in an editable install
+    as it names the wheel's real directory."""
+    link = ROOT / "outbox" / "_migrations"
+    assert link.is_symlink()
+    assert os.readlink(link) == "../migrations"
+    assert migrations.migrations_dir() == ROOT / "migrations"
+    versions = Path(coerce_resource_to_filename("outbox:_migrations/versions"))
+    assert versions.resolve() == migrations.versions_dir() == ROOT / "migrations" / "versions"
     assert {"0001_outbox_initial.py", "0002_outbox_send_budget.py"} <= {
         p.name for p in migrations.versions_dir().glob("*.py")
     }
-    assert not (ROOT / "migrations").exists()
 
 
 def pip(*args: str) -> None:

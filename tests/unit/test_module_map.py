@@ -1,9 +1,10 @@
 """The module map of docs/design.md against the code.
 
-Every module under ``outbox/`` and ``relay/`` has a row in the map; every import of a project
-module it makes (``import``, ``from ... import``, relative ones, inside functions and under
-``TYPE_CHECKING`` alike) is one its row allows, or a known exception listed under the map; and
-the map itself keeps the layering rules the page states in words.
+Every module under ``outbox/``, ``relay/`` and ``migrations/`` (the alembic scripts, once: the
+walk does not follow the ``outbox/_migrations`` symlink) has a row in the map; every import of a
+project module it makes (``import``, ``from ... import``, relative ones, inside functions and
+under ``TYPE_CHECKING`` alike) is one its row allows, or a known exception listed under the map;
+and the map itself keeps the layering rules the page states in words.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
-PACKAGES = ("outbox", "relay")
+PACKAGES = ("outbox", "relay", "migrations")
 MAP_HEADER = "| module | owns | may import |"
 EXCEPTIONS_HEADER = "| module | imports | why |"
 NAME = re.compile(r"`([A-Za-z_][\w.]*(?:\.\*)?)`")
@@ -24,6 +25,9 @@ NAME = re.compile(r"`([A-Za-z_][\w.]*(?:\.\*)?)`")
 CONCRETE_SENDERS = ("relay.senders.console", "relay.senders.ses", "relay.senders.smtp")
 COMMAND_LINE = (
     "relay.cli",
+    "relay.cli.migrations",
+    "relay.cli.process",
+    "relay.cli.sendtest",
     "relay.admin",
     "relay.admin.batches",
     "relay.admin.change",
@@ -42,7 +46,7 @@ SHARED_WITH_THE_RELAY = (
     "outbox.migrations",
     "outbox.schema",
 )
-REVISIONS = "outbox._migrations.versions.*"
+REVISIONS = "migrations.versions.*"
 DISPATCH = "relay.loop.dispatch"
 DATABASE = ("relay.loop.connection", "relay.db", "relay.clock")  # what opens or reads the database
 MAINTENANCE = ("relay.loop.maintenance",)
@@ -228,9 +232,10 @@ def test_the_map_keeps_the_layering_rules():
             if module in PURE and target not in ("outbox.schema", "relay.senders", "relay.pause"):
                 broken.append(f"{module} -> {target}: a pure module imports only values")
             if (
-                module == "relay.store"
+                (module == "relay.store" or module.startswith("relay.store."))
                 and package == "relay"
                 and target not in (*PURE, "relay.clock")
+                and not target.startswith("relay.store.")
             ):
                 broken.append(
                     f"{module} -> {target}: the store uses only the pure modules and the "

@@ -2,7 +2,7 @@
 
 Used by ``outbox-relay migrate`` and :func:`outbox.migrations.upgrade`. A host app that already
 uses alembic does not need this file: it adds the versions directory to its own
-``version_locations`` (see the README), and its own env.py runs these revisions.
+``version_locations`` (see docs/guides/alembic.md), and its own env.py runs these revisions.
 """
 
 from alembic import context
