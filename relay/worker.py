@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
+from typing import Generic, TypeVar, overload
 
 import sqlalchemy as sa
 import tenacity
@@ -41,6 +42,8 @@ __all__ = ["STUCK_RETRY", "Relay"]
 
 _log = logging.getLogger("relay")
 
+_T = TypeVar("_T")
+
 STUCK_RETRY = 30.0  # seconds between tries to save a finished send that could not be saved
 
 
@@ -48,9 +51,40 @@ class _Stopped(Exception):
     """Raised out of the start-up wait's sleep when the relay is told to stop."""
 
 
+class _Shared(Generic[_T]):
+    """A setting or state of the relay its services hold too: replacing it on the relay
+    replaces it in every service with an attribute of that name, as when the loop read it
+    from the relay at each use."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, relay: None, owner: type) -> _Shared[_T]: ...
+    @overload
+    def __get__(self, relay: Relay, owner: type) -> _T: ...
+    def __get__(self, relay: Relay | None, owner: type) -> _Shared[_T] | _T:
+        if relay is None:
+            return self
+        value: _T = relay.__dict__[self._name]
+        return value
+
+    def __set__(self, relay: Relay, value: _T) -> None:
+        relay.__dict__[self._name] = value
+        for service in relay.__dict__.get("_services", ()):
+            if hasattr(service, self._name):
+                setattr(service, self._name, value)
+
+
 class Relay:
     """One relay process's loop. ``run()`` returns when stopped (drained) or, with
     ``exit_when_idle``, when nothing is due and nothing is in flight."""
+
+    config = _Shared[RelayConfig]()
+    relay_id = _Shared[str]()
+    rate = _Shared[RateController]()
+    limiter = _Shared[SendBudget]()  # the send budget all relays share
+    pauses = _Shared[Pauses]()
 
     def __init__(
         self,
@@ -65,15 +99,15 @@ class Relay:
         the random source of every jitter (retry backoff, polling, reconnecting), a seeded one
         for a replayable run."""
         self.sender = as_sender(sender)
-        self._config = config
+        self.config = config
         self._db_clock = DatabaseClock() if clock is None else None
         self.clock: Callable[[], datetime] = clock if clock is not None else self._db_clock  # type: ignore[assignment]
-        self.relay_id = config.relay_id
         self._rng = rng if rng is not None else random.Random()
+        self.relay_id = config.relay_id
         self.rate = RateController(total_rate(config.max_send_rate, self.sender))
         # the send budget all relays share; without --max-send-rate it is never touched
-        self._limiter = SendBudget(self.rate, clock=lambda: self.clock())
-        self._pauses = Pauses(config.pause_seconds)
+        self.limiter = SendBudget(self.rate, clock=lambda: self.clock())
+        self.pauses = Pauses(config.pause_seconds)
         self.state = RelayState.RUNNING
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -106,6 +140,9 @@ class Relay:
             config, self.connection, self.dispatch, self.completer, self.producer, self._hung
         )
         self.maintenance = Maintenance(self, config.relay_id, self.connection, self._rng)
+        services = (self.connection, self.registry, self.dispatch, self.completer, self.control)
+        others = (self.leases, self.producer, *self.producer.filters, *self.maintenance.services)
+        self._services = (*services, *others)
         self.loop_at: float | None = None  # monotonic time of the loop's last pass, in run()
         # monotonic time of the last try to reach the database before the loop's first pass
         self.waiting_at: float | None = None
@@ -153,43 +190,6 @@ class Relay:
     @set_aside.setter
     def set_aside(self, count: int) -> None:
         self.completer.set_aside = count
-
-    # the settings and state the services share: replacing one on the relay replaces it in
-    # every service that holds it, as when the loop read them from the relay at each use
-
-    @property
-    def config(self) -> RelayConfig:
-        return self._config
-
-    @config.setter
-    def config(self, config: RelayConfig) -> None:
-        self._config = config
-        self._share("config", config)
-
-    @property
-    def pauses(self) -> Pauses:
-        return self._pauses
-
-    @pauses.setter
-    def pauses(self, pauses: Pauses) -> None:
-        self._pauses = pauses
-        self._share("pauses", pauses)
-
-    @property
-    def limiter(self) -> SendBudget:
-        """The send budget all relays share; without --max-send-rate it is never touched."""
-        return self._limiter
-
-    @limiter.setter
-    def limiter(self, limiter: SendBudget) -> None:
-        self._limiter = limiter
-        self._share("limiter", limiter)
-
-    def _share(self, name: str, value: object) -> None:
-        services = (self.connection, self.registry, self.dispatch, self.completer, self.control)
-        for service in (*services, self.leases, self.producer, *self.producer.filters):
-            if hasattr(service, name):
-                setattr(service, name, value)
 
     def run(self) -> None:
         """Run until stopped or, with ``exit_when_idle``, until there is nothing left to do.

@@ -59,7 +59,7 @@ class BudgetFilter:
 
     def __init__(self, limiter: SendBudget, relay_id: str, clock: Callable[[], datetime]) -> None:
         self.limiter = limiter
-        self._relay_id = relay_id
+        self.relay_id = relay_id
         self._clock = clock
 
     def admissible(self, ready: list[Ready]) -> bool:
@@ -77,7 +77,7 @@ class BudgetFilter:
         booked = store.send_bookings(conn, since=self.limiter.lookback(now))
         sizes = [max(1, r.claim.recipient_count) for r in ready]
         planned = self.limiter.plan(booked, sizes, now)
-        store.book_sends(conn, relay_id=self._relay_id, bookings=planned)
+        store.book_sends(conn, relay_id=self.relay_id, bookings=planned)
         if (cutoff := self.limiter.prune_due(now)) is not None:
             store.prune_send_budget(conn, before=cutoff)
         return [

@@ -46,6 +46,7 @@ class Completer:
         self._rng = rng
         self.unsaved: list[Done] = []
         self.stuck: list[Done] = []
+        self.relay_id = config.relay_id
         self.set_aside = 0  # finished sends that could not be saved as they were
         self._stuck_retry = stuck_retry  # seconds between tries to save a stuck one, read each time
         self._last_stuck_retry = 0.0
@@ -103,11 +104,10 @@ class Completer:
         ]
         if not attempts:
             return applied
-        relay_id = self.config.relay_id
         store.record_attempts(
             conn,
             (
-                attempt_record(done, relay_id, stale=not ok)
+                attempt_record(done, self.relay_id, stale=not ok)
                 for done, ok in zip(batch, applied, strict=True)
                 # a suppressed message whose claim was gone: nothing was sent, nothing moved
                 if ok or done.recorded is None

@@ -33,10 +33,10 @@ class Sweep:
     interval = 1.0  # seconds between sweeps
 
     def __init__(self, source: Any, relay_id: str, rng: random.Random) -> None:
-        self._source, self._relay_id, self._rng = source, relay_id, rng
+        self._source, self.relay_id, self._rng = source, relay_id, rng
 
     def run_once(self, conn: sa.Connection, now: datetime) -> _Swept:
-        return store.sweep_expired_leases(conn, now=now, relay_id=self._relay_id, rng=self._rng)
+        return store.sweep_expired_leases(conn, now=now, relay_id=self.relay_id, rng=self._rng)
 
     def announce(self, swept: _Swept) -> None:
         announce_swept(self._source, swept)
@@ -51,13 +51,13 @@ class Reconcile:
     interval = 5.0  # seconds between passes; a reconcile window is minutes
 
     def __init__(self, source: Any, relay_id: str) -> None:
-        self._source, self._relay_id = source, relay_id
+        self._source, self.relay_id = source, relay_id
 
     def run_once(
         self, conn: sa.Connection, now: datetime
     ) -> tuple[list[store.Confirmed], list[store.Reconciled]]:
-        confirmed = store.resolve_confirmed(conn, now=now, relay_id=self._relay_id)
-        requeued = store.reconcile_unknown(conn, now=now, relay_id=self._relay_id)
+        confirmed = store.resolve_confirmed(conn, now=now, relay_id=self.relay_id)
+        requeued = store.reconcile_unknown(conn, now=now, relay_id=self.relay_id)
         return confirmed, requeued
 
     def announce(self, changed: tuple[list[store.Confirmed], list[store.Reconciled]]) -> None:
@@ -90,6 +90,7 @@ class Maintenance:
         self.sweep = Sweep(source, relay_id, rng)
         self.reconcile = Reconcile(source, relay_id)
         self.expire = Expire(source)
+        self.services = (self.sweep, self.reconcile, self.expire)
         self._last_sweep = -float("inf")  # monotonic
         self._last_reconcile = -float("inf")
         self._last_expire = 0.0

@@ -54,7 +54,7 @@ class PauseControl:
     ) -> None:
         self.pauses = pauses
         self.config = config
-        self._rate = rate
+        self.rate = rate
         self._on_account = on_account
         self._release = release
         self._sender_errors = 0  # consecutive sends the sender raised on
@@ -64,7 +64,7 @@ class PauseControl:
         outcome, the probe is over."""
         match outcome:
             case Transient(throttled=True):
-                self._rate.on_throttle()
+                self.rate.on_throttle()
             case Disabled(pause=True, code=code, scope=scope):
                 self.pause(scope, code)
             case Permanent(config_error=True, code=code):

@@ -60,6 +60,7 @@ class Producer:
         self.limiter = limiter
         self._stopping = stopping
         self.held = PauseFilter(pauses)
+        self.relay_id = config.relay_id
         self.budget = BudgetFilter(limiter, config.relay_id, clock)
         self.suppressions = SuppressionFilter(pauses)
         self.filters = (self.held, self.budget, self.suppressions)
@@ -109,7 +110,7 @@ class Producer:
                     began = time.monotonic()
                     claims, expired = store.claim_batch(
                         conn,
-                        relay_id=self.config.relay_id,
+                        relay_id=self.relay_id,
                         limit=limit,
                         now=now,
                         lease_seconds=self.config.lease_seconds,

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from outbox import Status
 from outbox.schema import messages
 from relay import signals
+from relay.ratelimit import RateController
 from relay.senders import Accepted, Ambiguous, Disabled, OutgoingMessage, Permanent, Transient
 from relay.testing import FakeSender
 from tests.support.db import attempt_rows, row, statuses
@@ -386,3 +387,17 @@ def test_a_sender_or_settings_replaced_on_the_relay_are_what_its_loop_uses(backe
     settle(relay)
     assert built_with.calls == []
     assert sorted(replaced.called_ids) == ids
+
+
+def test_a_rate_controller_replaced_on_the_relay_is_the_one_throttles_reach(backend):
+    """A throttled send slows the rate controller the relay holds now, not the one it was
+    built with (found by the second attack review of the split)."""
+    (mid,) = enqueue(backend.engine, 1)
+    sender = FakeSender(lambda m: Transient(code="Throttling", message="slow", throttled=True))
+    relay = relay_for(backend, sender)
+    built_with, replaced = relay.rate, RateController(10.0)
+    relay.rate = replaced
+    settle(relay)
+    assert sender.called_ids[:1] == [mid]
+    assert built_with.factor == 1.0
+    assert replaced.factor < 1.0
