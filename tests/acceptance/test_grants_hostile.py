@@ -32,6 +32,9 @@ _RUN = uuid.uuid4().hex[:6]
 P = f"h2_{_RUN}"  # every role, user and database of this module starts with this
 INJECTED = f"{P}_injected"  # what a name spliced into SQL would create
 PASSWORD = "pw'\\; x"
+# serial: the test ids carry this process's random prefix, which pytest-xdist's workers would
+# not agree on; and the MariaDB tests check the server's anonymous user, which is everyone's
+pytestmark = pytest.mark.serial
 
 
 def run(

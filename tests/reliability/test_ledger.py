@@ -212,6 +212,7 @@ def test_database_connection_kills_mid_run_lose_nothing(server_backend, moto, tm
     assert summary.failed == 0
 
 
+@pytest.mark.serial  # restarts the database server: nothing else may run
 def test_database_server_restarts_mid_run_lose_nothing(server_backend, moto, tmp_path, size):
     """The server itself stopped and started three times while the relays run (a real restart:
     its start time changes). Every relay survives it, reconnects and finishes; unknown_outcome
@@ -256,6 +257,7 @@ def test_operator_cancels_mid_run_are_never_sent_and_lost_races_are_reported(
     assert summary.failed == 0
 
 
+@pytest.mark.serial  # restarts the database server: nothing else may run
 def test_every_fault_in_one_run_loses_nothing(server_backend, moto, tmp_path, size):
     """One run with all of it: the SES fault mix (throttles, 5xx, hangs, resets) throughout,
     operator cancels, two SIGKILLs, killed database connections, a SIGTERM drain, a database

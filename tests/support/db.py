@@ -1,9 +1,10 @@
 """The test databases: which backends run, the tiny shop's models, and reading outbox rows.
 
 Server URLs come from ``OUTBOX_TEST_POSTGRES_URL`` and ``OUTBOX_TEST_MYSQL_URL``; without them
-testcontainers starts a container when Docker is there. A backend that cannot be reached skips
-locally and **fails when CI=true**. The fixtures built on these live in
-:mod:`tests.support.fixtures`.
+testcontainers starts a container when Docker is there. Under pytest-xdist each worker uses a
+database of its own next to the configured one (``outbox_test`` -> ``outbox_test_gw0``),
+created when missing. A backend that cannot be reached skips locally and **fails when
+CI=true**. The fixtures built on these live in :mod:`tests.support.fixtures`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "server_url",
     "statuses",
     "unavailable",
+    "worker_database",
 ]
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -86,12 +88,13 @@ def unavailable(name: str, reason: str) -> None:
 
 
 def server_url(name: str, stack: ExitStack) -> str:
-    """The URL of the ``postgresql`` or ``mysql`` test server: from the environment, else a
-    container entered on ``stack``."""
+    """The URL of the ``postgresql`` or ``mysql`` test database: from the environment (a
+    pytest-xdist worker's own, see :func:`worker_database`), else a container entered on
+    ``stack`` (each worker starts its own)."""
     env = {"postgresql": "OUTBOX_TEST_POSTGRES_URL", "mysql": "OUTBOX_TEST_MYSQL_URL"}[name]
     url = os.environ.get(env)
     if url:
-        return url
+        return worker_database(name, url)
     try:
         if name == "postgresql":
             from testcontainers.postgres import PostgresContainer
@@ -105,6 +108,36 @@ def server_url(name: str, stack: ExitStack) -> str:
     except Exception as exc:
         unavailable(name, f"{env} is not set and testcontainers failed ({exc.__class__.__name__})")
         raise
+
+
+def worker_database(name: str, url: str) -> str:
+    """In a pytest-xdist worker, the URL of its own database next to ``url``'s (of the
+    ``name`` backend), created if missing (``outbox_test`` -> ``outbox_test_gw0``), so workers
+    never share tables; ``url`` itself outside xdist. A server that cannot be reached skips,
+    or fails when CI=true."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return url
+    configured = sa.make_url(url)
+    database = f"{configured.database}_{worker}"
+    server = sa.create_engine(configured, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    try:
+        with server.connect() as conn:
+            if server.dialect.name == "postgresql":
+                found = conn.execute(
+                    sa.text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": database}
+                ).scalar()
+                if not found:
+                    conn.exec_driver_sql(f'CREATE DATABASE "{database}"')
+            else:  # the character set .ci/run creates outbox_test with
+                conn.exec_driver_sql(
+                    f"CREATE DATABASE IF NOT EXISTS `{database}` CHARACTER SET utf8mb4"
+                )
+    except sa.exc.OperationalError as exc:
+        unavailable(name, str(exc.orig))
+    finally:
+        server.dispose()
+    return configured.set(database=database).render_as_string(hide_password=False)
 
 
 def async_url_for(url: str) -> str:

@@ -2,7 +2,9 @@
 
 Every behaviour test takes ``backend`` (or ``engine``), parametrized over SQLite, PostgreSQL
 and MySQL/MariaDB; ``server_backend`` runs on the two servers only. Each database is created
-once per session, migrated to head, and emptied after every test.
+once per session (per pytest-xdist worker), migrated to head, and emptied after every test.
+A test marked ``serial`` never runs beside other workers: under xdist it skips (fails when
+CI=true); ``.ci/run`` runs them in a second pytest without ``-n``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from outbox import Outbox, migrations
 from outbox.sqlite import enable_savepoints
 from tests.support.db import (
     BACKENDS,
+    CI,
     Backend,
     Base,
     async_url_for,
@@ -28,7 +31,14 @@ from tests.support.db import (
     unavailable,
 )
 
-__all__ = ["backend", "engine", "postgres_backend", "pytest_addoption", "server_backend"]
+__all__ = [
+    "backend",
+    "engine",
+    "postgres_backend",
+    "pytest_addoption",
+    "pytest_runtest_setup",
+    "server_backend",
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,6 +50,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="messages per delivery-ledger run in tests/reliability (default: each test's CI "
         "size; the xmin throughput pair never goes below its own). Raise --timeout with it.",
     )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A ``serial`` test (it restarts a database server, say) is refused in a pytest-xdist
+    worker: the other workers share those servers."""
+    if item.get_closest_marker("serial") and hasattr(item.config, "workerinput"):
+        reason = "marked serial: run it without -n (-m serial), never beside other workers"
+        if CI:
+            pytest.fail(f"{reason} (CI=true: it must run, not skip)", pytrace=False)
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

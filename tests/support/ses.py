@@ -206,6 +206,13 @@ class MotoSes:
         host, port = self._server.get_host_and_port()
         self.url = f"http://{host}:{port}"
         self.verify()
+        # moto builds a service's app and request router on its first request, compiling rules
+        # with ast; on Python 3.11 two threads doing that at once can fail a request
+        # ("SystemError: AST constructor recursion depth mismatch"), which a relay's first
+        # concurrent sends (a fresh server per xdist worker) met: one request each, first.
+        self.client("sesv2").list_email_identities()
+        self.client("sqs").list_queues()
+        self.client("sns").list_topics()
 
     def client(self, service: str = "sesv2", *, region: str = REGION) -> Any:
         """A boto3 client of ``service`` in ``region``, straight to moto."""
