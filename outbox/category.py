@@ -7,9 +7,12 @@ the app's configuration and a policy change applies to new mail only.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, InvalidArgument
+from outbox.fairness import check_fairness_key
 from outbox.schema import DEFAULT_RECONCILE_AFTER, MAX_BACKOFF_SECONDS, AmbiguityPolicy
 
 __all__ = ["DEFAULT_CATEGORIES", "Category"]
@@ -37,6 +40,9 @@ class Category:
     ambiguity: AmbiguityPolicy = AmbiguityPolicy.HOLD
     # seconds; only with ``ambiguity="reconcile"`` (None there: DEFAULT_RECONCILE_AFTER)
     reconcile_after: float | None = None
+    # the fairness key of the category's mail when enqueue names none: one key for all of it,
+    # or a function of the Email (``outbox.fairness.from_domain``: its From domain)
+    fairness_key: str | Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:
         where = f"categories[{self.name!r}]"
@@ -65,6 +71,12 @@ class Category:
                 f"{self.ambiguity!r} is not one of: " + ", ".join(p.value for p in AmbiguityPolicy),
             ) from None
         self._check_reconcile_after(where)
+        key = self.fairness_key
+        if key is not None and not callable(key):
+            try:
+                check_fairness_key(key, f"{where}.fairness_key")
+            except InvalidArgument as exc:
+                raise ConfigurationError(exc.field, exc.reason) from None
 
     def _check_reconcile_after(self, where: str) -> None:
         """A window belongs to the reconcile policy only: given with ``hold`` or ``resend`` it

@@ -96,6 +96,8 @@ _ROW_TYPES: dict[str, Any] = {
     "ambiguity_policy": sa.Text(),
     "reconcile_after": sa.Double(),
     "next_attempt_at": postgresql.TIMESTAMP(timezone=True),
+    "fairness_key": sa.Text(),
+    "fair_at": postgresql.TIMESTAMP(timezone=True),
     "expires_at": postgresql.TIMESTAMP(timezone=True),
     "created_at": postgresql.TIMESTAMP(timezone=True),
     "updated_at": postgresql.TIMESTAMP(timezone=True),
@@ -195,8 +197,11 @@ def build_row(
     not_before: datetime | None,
     expires_at: datetime | None,
     now: datetime,
+    fairness_key: str | None = None,
 ) -> dict[str, Any]:
-    """The column values of a new row; raises before anything touches the database."""
+    """The column values of a new row; raises before anything touches the database. A keyed
+    row's turn (``fair_at``) is its due time here; :func:`outbox.fairness.assign_turns` sets
+    it from the key's queue."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidArgument("priority", f"must be an integer, not {type(priority).__name__}")
     if priority not in _PRIORITY_RANGE:
@@ -227,6 +232,8 @@ def build_row(
         "ambiguity_policy": policy,
         "reconcile_after": reconcile_after,
         "next_attempt_at": due,
+        "fairness_key": fairness_key,
+        "fair_at": due,
         "expires_at": expires_at,
         "created_at": now,
         "updated_at": now,

@@ -21,7 +21,9 @@ __all__ = [
     "ADDRESS_CHARS",
     "CLAIMABLE",
     "DEFAULT_RECONCILE_AFTER",
+    "FAIR_AT_DEFAULT",
     "MAX_BACKOFF_SECONDS",
+    "SCOPE_CHARS",
     "STORED_POLICIES",
     "TERMINAL",
     "AmbiguityPolicy",
@@ -42,6 +44,7 @@ __all__ = [
     "relays",
     "send_budget",
     "send_budget_lock",
+    "send_slots",
     "suppressions",
     "utcnow",
 ]
@@ -74,6 +77,10 @@ class AmbiguityPolicy(enum.StrEnum):
 
 STORED_POLICIES = (AmbiguityPolicy.HOLD, AmbiguityPolicy.RESEND)
 DEFAULT_RECONCILE_AFTER = 900.0  # seconds: a reconcile category's window (15 minutes)
+# The turn of a row written without one (by an app not yet upgraded): first in line. One
+# literal every backend reads as a time, so adding the column rewrites no row.
+FAIR_AT_DEFAULT = "1970-01-01 00:00:00"
+SCOPE_CHARS = 400  # a budget's scope: "identity:" and an address, or "key:" and a key
 
 
 class DeliveryStatus(enum.StrEnum):
@@ -275,6 +282,10 @@ messages = sa.Table(
     sa.Column("delivery_status", sa.String(20), nullable=True),
     sa.Column("delivery_status_at", UTCDateTime(), nullable=True),
     sa.Column("reconcile_after", sa.Double(), nullable=True),
+    # fair sending: the row's tenant (or any lane), and its turn in the claim's order, a time
+    # at or after next_attempt_at: docs/design.md, "Fair sending"
+    sa.Column("fairness_key", sa.String(255), nullable=True),
+    sa.Column("fair_at", UTCDateTime(), nullable=False, server_default=FAIR_AT_DEFAULT),
     sa.UniqueConstraint("idempotency_key"),
     sa.CheckConstraint(_in("status", tuple(Status)), name="status"),
     sa.CheckConstraint(_in("ambiguity_policy", STORED_POLICIES), name="ambiguity_policy"),
@@ -282,16 +293,27 @@ messages = sa.Table(
     mysql_engine="InnoDB",
 )
 
-# The claim reads one status at a time (pending, then retrying) in send order, so it is an index
-# range scan on every backend; partial where the backend allows, so finished rows cost nothing.
+# The claim reads one status at a time (pending, then retrying) in its turn order, so it is an
+# index range scan on every backend; partial where the backend allows, so finished rows cost
+# nothing. next_attempt_at last: the due test is read from the index.
 sa.Index(
     "ix_outbox_messages_claim",
     messages.c.status,
     messages.c.priority,
-    messages.c.next_attempt_at,
+    messages.c.fair_at,
     messages.c.id,
+    messages.c.next_attempt_at,
     postgresql_where=sa.text(_in("status", CLAIMABLE)),
     sqlite_where=sa.text(_in("status", CLAIMABLE)),
+)
+# Enqueue reads the last turn of a key's queued rows; the views count the queued rows by key.
+sa.Index(
+    "ix_outbox_messages_fairness",
+    messages.c.fairness_key,
+    messages.c.status,
+    messages.c.fair_at,
+    postgresql_where=sa.text("status = 'pending' AND fairness_key IS NOT NULL"),
+    sqlite_where=sa.text("status = 'pending' AND fairness_key IS NOT NULL"),
 )
 # Events without the outbox's tags (identity notifications) find their row by SES message id.
 sa.Index(
@@ -371,6 +393,23 @@ send_budget = sa.Table(
     sa.Column("reserved_at", UTCDateTime(), nullable=False),  # when the sends may start
     sa.Column("recipients", sa.Integer(), nullable=False),
     sa.Column("occupied_until", UTCDateTime(), nullable=False, index=True),
+    # whose budget: '' the shared --max-send-rate, 'key:...' or 'identity:...' a --key-limit
+    # or --identity-limit's
+    sa.Column("scope", sa.String(SCOPE_CHARS), nullable=False, server_default=""),
+    mysql_engine="InnoDB",
+)
+
+# The sends in flight of the scopes with a most-in-flight limit: one row per send started,
+# counted while its message is still processing under the same claim (so a relay that dies
+# frees its slots when its lease is swept), deleted once it no longer counts.
+send_slots = sa.Table(
+    "outbox_send_slots",
+    metadata,
+    sa.Column("id", _BigId, sa.Identity(), primary_key=True),
+    sa.Column("scope", sa.String(SCOPE_CHARS), nullable=False, index=True),
+    sa.Column("message_id", _BigId, nullable=False),
+    sa.Column("claim_token", sa.String(36), nullable=False),
+    sa.Column("taken_at", UTCDateTime(), nullable=False),
     mysql_engine="InnoDB",
 )
 

@@ -33,6 +33,7 @@ from outbox import signals, tracing
 from outbox.category import DEFAULT_CATEGORIES, Category
 from outbox.enqueue import EnqueueResult, build_row, check_key, insert_messages
 from outbox.exceptions import ConfigurationError, InvalidArgument, UnknownCategory
+from outbox.fairness import Weights, assign_turns, check_fairness_key
 from outbox.message import Email
 from outbox.schema import messages, utcnow
 
@@ -208,6 +209,8 @@ def _write(
         if first.setdefault(entry.row["idempotency_key"], index) == index:
             fresh.append(entry)
     rows = [e.row for e in fresh]
+    if fresh:
+        assign_turns(conn, rows, fresh[0].outbox.weights)
     with tracing.creating(rows) as created:
         written = insert_messages(
             conn,
@@ -228,6 +231,22 @@ def _write(
         signal = signals.duplicate_skipped if result.duplicate else signals.enqueued
         _notify(signal, entry.outbox, result, entry.category.name)
     return results
+
+
+def _fairness_key(given: str | None, category: Category, email: Email) -> str | None:
+    """The message's fairness key: the one given, else its category's (a key, or one made
+    from the email); checked here, before anything is written."""
+    if given is not None:
+        return check_fairness_key(given)
+    default = category.fairness_key
+    if default is None or isinstance(default, str):
+        return default
+    field = f"categories[{category.name!r}].fairness_key"
+    try:
+        made = default(email)
+    except Exception as exc:
+        raise InvalidArgument(field, f"raised {type(exc).__name__}: {exc}") from exc
+    return check_fairness_key(made, field)
 
 
 def _notify(signal: NamedSignal, sender: Outbox, result: EnqueueResult, category: str) -> None:
@@ -314,6 +333,9 @@ class Outbox:
 
     ``categories`` add to (or replace, by name) the built-in ``default`` and ``transactional``
     categories; ``default_category`` is used when ``enqueue`` is given none.
+    ``fairness_weights`` (``{key pattern: weight}``) give the keys they match more turns (a
+    weight of 2: two sends for a weight-1 key's one) or fewer; see ``enqueue``'s
+    ``fairness_key``.
     """
 
     def __init__(
@@ -321,6 +343,7 @@ class Outbox:
         *,
         categories: Iterable[Category] = (),
         default_category: str = "default",
+        fairness_weights: Mapping[str, float] | None = None,
     ) -> None:
         self.categories: dict[str, Category] = {c.name: c for c in DEFAULT_CATEGORIES}
         for category in categories:
@@ -332,6 +355,7 @@ class Outbox:
                 "default_category", f"{default_category!r} is not a configured category"
             )
         self.default_category = default_category
+        self.weights = Weights(fairness_weights)
         self.rules: list[Rule] = []
 
     # -- enqueue ---------------------------------------------------------------------------
@@ -346,6 +370,7 @@ class Outbox:
         priority: int = 0,
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
+        fairness_key: str | None = None,
         bind_arguments: Mapping[str, Any] | None = None,
     ) -> EnqueueResult:
         """Write ``email`` as an outbox row in ``session``'s current transaction, now.
@@ -356,12 +381,17 @@ class Outbox:
         ``priority`` sends first. Bad input raises an
         :class:`~outbox.exceptions.EnqueueError` before anything touches the database.
 
+        ``fairness_key`` (a tenant, say; default: the category's) shares sending fairly: among
+        due messages of one priority, keys are served in turn, so one key's backlog does not
+        hold back another's mail. Messages without a key are served when due, in order.
+
         The row goes on the connection the session would use for an INSERT into the outbox
         table; ``bind_arguments`` are added to what its ``get_bind`` is asked with (a
         ``ShardedSession`` needs ``{"shard_id": ...}``; ``{"bind": engine}`` names the bind).
         """
         _check_sync_session(session)
-        entries = [self._entry(email, key, category, priority, not_before, expires_at)]
+        entry = self._entry(email, key, category, priority, not_before, expires_at, fairness_key)
+        entries = [entry]
         return _write(_plain(session), entries, bind_arguments)[0]
 
     def enqueue_many(
@@ -374,6 +404,7 @@ class Outbox:
         priority: int = 0,
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
+        fairness_key: str | None = None,
         bind_arguments: Mapping[str, Any] | None = None,
     ) -> list[EnqueueResult]:
         """:meth:`enqueue` for each of ``emails`` in one batch (one statement on PostgreSQL and
@@ -381,7 +412,9 @@ class Outbox:
         Every email is checked before any is written: one bad email raises and none is
         enqueued."""
         _check_sync_session(session)
-        entries = self._entries(emails, keys, category, priority, not_before, expires_at)
+        entries = self._entries(
+            emails, keys, category, priority, not_before, expires_at, fairness_key
+        )
         return _write(_plain(session), entries, bind_arguments)
 
     async def enqueue_async(
@@ -394,11 +427,13 @@ class Outbox:
         priority: int = 0,
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
+        fairness_key: str | None = None,
         bind_arguments: Mapping[str, Any] | None = None,
     ) -> EnqueueResult:
         """:meth:`enqueue` for an ``AsyncSession``: the row is written when this returns."""
         _check_async_session(session)
-        entries = [self._entry(email, key, category, priority, not_before, expires_at)]
+        entry = self._entry(email, key, category, priority, not_before, expires_at, fairness_key)
+        entries = [entry]
         target = _plain_async(session)
         results = await target.run_sync(_write, entries, bind_arguments)
         return results[0]
@@ -413,11 +448,14 @@ class Outbox:
         priority: int = 0,
         not_before: datetime | None = None,
         expires_at: datetime | None = None,
+        fairness_key: str | None = None,
         bind_arguments: Mapping[str, Any] | None = None,
     ) -> list[EnqueueResult]:
         """:meth:`enqueue_many` for an ``AsyncSession``."""
         _check_async_session(session)
-        entries = self._entries(emails, keys, category, priority, not_before, expires_at)
+        entries = self._entries(
+            emails, keys, category, priority, not_before, expires_at, fairness_key
+        )
         return await _plain_async(session).run_sync(_write, entries, bind_arguments)
 
     def _entries(
@@ -428,6 +466,7 @@ class Outbox:
         priority: int,
         not_before: datetime | None,
         expires_at: datetime | None,
+        fairness_key: str | None = None,
     ) -> list[_Entry]:
         if isinstance(emails, Email) or not isinstance(emails, Sequence):
             raise TypeError(f"emails must be a list of outbox.Email, not {type(emails).__name__}")
@@ -440,7 +479,7 @@ class Outbox:
                 "keys", f"has {len(keys)} keys for {len(emails)} emails; give one per email"
             )
         return [
-            self._entry(email, key, category, priority, not_before, expires_at)
+            self._entry(email, key, category, priority, not_before, expires_at, fairness_key)
             for email, key in zip(emails, keys, strict=True)
         ]
 
@@ -452,8 +491,9 @@ class Outbox:
         priority: int,
         not_before: datetime | None,
         expires_at: datetime | None,
+        fairness_key: str | None = None,
     ) -> _Entry:
-        row, cat = self._row(email, key, category, priority, not_before, expires_at)
+        row, cat = self._row(email, key, category, priority, not_before, expires_at, fairness_key)
         return _Entry(outbox=self, row=row, email=email, category=cat, generated=key is None)
 
     def _row(
@@ -464,6 +504,7 @@ class Outbox:
         priority: int,
         not_before: datetime | None,
         expires_at: datetime | None,
+        fairness_key: str | None = None,
     ) -> tuple[dict[str, Any], Category]:
         if not isinstance(email, Email):
             raise TypeError(f"email must be an outbox.Email, not {type(email).__name__}")
@@ -479,6 +520,7 @@ class Outbox:
             not_before=not_before,
             expires_at=expires_at,
             now=utcnow(),
+            fairness_key=_fairness_key(fairness_key, cat, email),
         )
         return row, cat
 

@@ -49,6 +49,8 @@ _CLAIM_COLUMNS = (
     _m.c.ambiguity_policy,
     _m.c.reconcile_after,
     _m.c.next_attempt_at,
+    _m.c.fair_at,
+    _m.c.fairness_key,
     _m.c.lease_expires_at,
 )
 
@@ -71,6 +73,8 @@ class Claim:
     ambiguity_policy: AmbiguityPolicy  # RECONCILE for a row stored 'hold' with a window
     next_attempt_at: datetime
     lease_expires_at: datetime
+    fair_at: datetime  # its turn: the claim's order after priority
+    fairness_key: str | None = None
 
     @property
     def state(self) -> MessageState:
@@ -116,6 +120,8 @@ def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
         ambiguity_policy=_policy(row.ambiguity_policy, row.reconcile_after),
         next_attempt_at=row.next_attempt_at,
         lease_expires_at=row.lease_expires_at,
+        fair_at=row.fair_at,
+        fairness_key=row.fairness_key,
     )
 
 
@@ -134,9 +140,9 @@ _CLAIMABLE = _m.c.status.in_([_literal(s) for s in CLAIMABLE])
 
 def _due(status: Status) -> sa.Subquery:
     return (
-        sa.select(_m.c.id, _m.c.priority, _m.c.next_attempt_at)
+        sa.select(_m.c.id, _m.c.priority, _m.c.fair_at)
         .where(_m.c.status == _literal(status), _CLAIMABLE, _m.c.next_attempt_at <= _NOW)
-        .order_by(_m.c.priority, _m.c.next_attempt_at, _m.c.id)
+        .order_by(_m.c.priority, _m.c.fair_at, _m.c.id)
         .limit(_LIMIT)
         .with_for_update(skip_locked=True)
         .subquery()
@@ -158,7 +164,7 @@ def _claim_statements(lock_first: bool) -> _ClaimStatements:
     merged = sa.union_all(sa.select(pending), sa.select(retrying)).subquery()
     pick = (
         sa.select(merged.c.id)
-        .order_by(merged.c.priority, merged.c.next_attempt_at, merged.c.id)
+        .order_by(merged.c.priority, merged.c.fair_at, merged.c.id)
         .limit(_LIMIT)
     )
     if lock_first:
@@ -200,10 +206,11 @@ def claim_batch(
 ) -> tuple[list[Claim], list[Expired]]:
     """Take up to ``limit`` due messages under one fresh claim token and lease.
 
-    Due: pending or retrying with ``next_attempt_at`` passed, in (priority, next_attempt_at,
-    id) order, each status read as its own range of the claim index with ``FOR UPDATE SKIP
-    LOCKED``. Rows past ``expires_at`` move to expired in the same statement and come back
-    apart: they are never sent.
+    Due: pending or retrying with ``next_attempt_at`` passed, in (priority, fair_at, id)
+    order (``fair_at``, the row's turn, is never before it is due: keys are served in turn,
+    see :mod:`outbox.fairness`), each status read as its own range of the claim index with
+    ``FOR UPDATE SKIP LOCKED``. Rows past ``expires_at`` move to expired in the same
+    statement and come back apart: they are never sent.
     """
     token = str(uuid.uuid4())
     params: dict[str, Any] = {
@@ -229,7 +236,7 @@ def claim_batch(
             gone.append(Expired(id=row.id, key=row.idempotency_key, category=row.category))
             continue
         claims.append(_claim(row, token, row.payload))
-    claims.sort(key=lambda c: (c.priority, c.next_attempt_at, c.id))
+    claims.sort(key=lambda c: (c.priority, c.fair_at, c.id))
     return claims, gone
 
 

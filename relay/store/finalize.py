@@ -18,6 +18,7 @@ from relay.store.claims import Claim
 
 __all__ = [
     "apply_decision",
+    "due_at",
     "fail",
     "finalize_sent",
     "finalize_sent_many",
@@ -32,14 +33,25 @@ _m = messages
 _NO_CLAIM = {"claim_token": None, "lease_expires_at": None}
 
 
+def due_at(at: datetime) -> dict[str, Any]:
+    """``next_attempt_at = at``, and the row's turn moved with it if it came sooner: a turn is
+    never before its row is due, so the claim's index scan meets no row that is not due before
+    every due row with an earlier turn. A keyed row keeps its later turn."""
+    value = sa.literal(at, UTCDateTime())
+    return {
+        "next_attempt_at": at,
+        "fair_at": sa.case((_m.c.fair_at > value, _m.c.fair_at), else_=value),
+    }
+
+
 def _requeued_values(now: datetime) -> dict[str, Any]:
     """What a requeue writes (the operator's and the reconcile's): pending, due now, a fresh
     attempt budget, no claim, no send-started mark."""
     return {
         **_NO_CLAIM,
+        **due_at(now),
         "status": Status.PENDING.value,
         "attempt_count": 0,
-        "next_attempt_at": now,
         "send_started_at": None,
         "updated_at": now,
     }
@@ -239,8 +251,8 @@ def schedule_retry(
     """processing -> retrying at ``next_attempt_at``; one attempt counted."""
     values = {
         **_attempted(now, code, message),
+        **due_at(next_attempt_at),
         "status": Status.RETRYING.value,
-        "next_attempt_at": next_attempt_at,
     }
     return _transition(conn, message_id, claim_token, values, expired_before)
 
@@ -312,7 +324,7 @@ def release(
         values["last_error_code"] = code
         values["last_error_message"] = message
     if next_attempt_at is not None:
-        values["next_attempt_at"] = next_attempt_at
+        values.update(due_at(next_attempt_at))
     if expired_before is None:
         return _transition(conn, message_id, claim_token, values, None)
     unstarted = _m.c.send_started_at.is_(None)
@@ -361,7 +373,7 @@ def release_unsent(
 def _release_statement(
     ids: Sequence[int], claim_token: str, now: datetime, next_attempt_at: datetime | None
 ) -> sa.Update:
-    later = {} if next_attempt_at is None else {"next_attempt_at": next_attempt_at}
+    later = {} if next_attempt_at is None else due_at(next_attempt_at)
     return (
         sa.update(_m)
         .where(

@@ -32,6 +32,8 @@ FIRST_RELEASE = "0001_outbox_initial.py"
 TABLES_0001 = {"outbox_messages", "outbox_attempts", "outbox_relays"}
 TABLES_0002 = {"outbox_send_budget", "outbox_send_budget_lock"}
 TABLES_0003 = {"outbox_events", "outbox_suppressions", "outbox_operator_actions", "outbox_intakes"}
+TABLES_0004 = {"outbox_send_slots"}
+HEAD = migrations.shipped_revisions()[-1]  # the newest revision this release ships
 VIEWS_0001 = {
     "outbox_status_summary",
     "outbox_lag",
@@ -327,14 +329,14 @@ def test_new_app_alembic_from_readme_then_an_outbox_upgrade(
     assert versions == {"outbox_0001", first_id}
     assert "No new upgrade operations detected" in project.alembic(*check)
 
-    # pip install -U: the real install ships 0002 and 0003; a plain upgrade heads applies them.
+    # pip install -U: the real install ships 0002 and later; a plain upgrade heads applies them.
     project.pythonpath = None
-    assert "outbox_0003 (outbox) (head)" in project.alembic("heads")
+    assert f"{HEAD} (outbox) (head)" in project.alembic("heads")
     project.alembic(*upgrade)
     tables, views, versions = schema(app_url)
-    assert tables >= TABLES_0001 | TABLES_0002 | TABLES_0003
+    assert tables >= TABLES_0001 | TABLES_0002 | TABLES_0003 | TABLES_0004
     assert views >= migrations.VIEWS
-    assert versions == {"outbox_0003", first_id}
+    assert versions == {HEAD, first_id}
     assert "No new upgrade operations detected" in project.alembic(*check)
 
     # A later app revision, with the same command: on top of the app's first, not of ours.
@@ -431,7 +433,7 @@ def test_the_apps_first_revision_is_labelled_app_so_a_downgrade_can_name_its_bra
     tables, _, versions = schema(url)
     assert "shop_order_lines" not in tables
     assert tables >= TABLES_0001 | TABLES_0002
-    assert versions == {"outbox_0003", first.name.split("_")[0]}
+    assert versions == {HEAD, first.name.split("_")[0]}
 
 
 def outbox_relay_migrate(url: str) -> subprocess.CompletedProcess[str]:
@@ -467,12 +469,12 @@ def test_a_database_migrated_standalone_is_handed_over_to_the_apps_alembic_as_it
     assert "Traceback" not in output
     assert (
         "FAILED: the outbox schema of this database was created by `outbox-relay migrate` (its "
-        "revisions are in outbox_alembic_version: outbox_0003); to carry it on in your alembic, "
-        "run `alembic stamp outbox_0003` (the outbox as a branch of its own) or `alembic stamp "
+        f"revisions are in outbox_alembic_version: {HEAD}); to carry it on in your alembic, "
+        f"run `alembic stamp {HEAD}` (the outbox as a branch of its own) or `alembic stamp "
         "<your revision carrying them>` (on your branch: outbox-relay alembic-revision), drop "
         "the table outbox_alembic_version, then upgrade again"
     ) in output
-    project.alembic("stamp", "outbox_0003")
+    project.alembic("stamp", HEAD)
     engine = sa.create_engine(app_url)
     with engine.begin() as conn:
         conn.exec_driver_sql("DROP TABLE outbox_alembic_version")
@@ -483,7 +485,7 @@ def test_a_database_migrated_standalone_is_handed_over_to_the_apps_alembic_as_it
     tables, _, versions = schema(app_url)
     assert tables >= TABLES_0001 | TABLES_0002 | {"shop_orders"}
     assert "outbox_alembic_version" not in tables
-    assert "outbox_0003" in versions
+    assert HEAD in versions
     assert "No new upgrade operations detected" in project.alembic("check")
 
 
@@ -499,11 +501,11 @@ def test_outbox_relay_migrate_on_a_schema_the_apps_alembic_carries_says_to_use_a
     assert migrate.returncode == 2
     assert migrate.stderr == (
         "Error: --database-url: the outbox schema of this database is in your app's alembic "
-        "(its alembic_version holds outbox_0003): keep it up to date with `alembic upgrade "
+        f"(its alembic_version holds {HEAD}): keep it up to date with `alembic upgrade "
         "heads`, not outbox-relay migrate\n"
     )
     project.alembic("upgrade", "heads")  # the app's alembic goes on as before
-    assert schema(app_url)[2] == {"outbox_0003"}
+    assert schema(app_url)[2] == {HEAD}
 
 
 def test_offline_upgrade_of_the_readme_set_up_writes_the_outbox_ddl(tmp_path, shipped_revisions):
@@ -593,7 +595,8 @@ def test_the_outbox_on_the_apps_own_branch_upgrades_with_head_and_steps_back_wit
     assert done.returncode == 0, done.stderr
     (newer,) = project.new_revisions({carrier, orders})
     text = newer.read_text()
-    assert "outbox_revisions = ('outbox_0002', 'outbox_0003')" in text
+    later = tuple(migrations.shipped_revisions()[1:])
+    assert f"outbox_revisions = {later!r}" in text
     assert f"= '{orders.name.split('_')[0]}'" in text  # on the app's head
     again = outbox_relay(project, "alembic-revision")
     assert again.returncode == 0, again.stderr
@@ -601,15 +604,15 @@ def test_the_outbox_on_the_apps_own_branch_upgrades_with_head_and_steps_back_wit
     assert project.new_revisions({carrier, orders, newer}) == []
     project.alembic("upgrade", "head")
     tables, views, _ = schema(app_url)
-    assert tables >= TABLES_0001 | TABLES_0002 | TABLES_0003
+    assert tables >= TABLES_0001 | TABLES_0002 | TABLES_0003 | TABLES_0004
     assert views >= migrations.VIEWS
     assert "No new upgrade operations detected" in project.alembic("check")
 
-    # downgrade -1 undoes exactly the newest revision: the outbox's 0002 and 0003
+    # downgrade -1 undoes exactly the newest revision: the outbox's 0002 and later
     project.alembic("downgrade", "-1")
     tables, _, versions = schema(app_url)
     assert tables >= TABLES_0001 | {"shop_orders"}
-    assert not tables & (TABLES_0002 | TABLES_0003)
+    assert not tables & (TABLES_0002 | TABLES_0003 | TABLES_0004)
     assert versions == {orders.name.split("_")[0]}
     project.alembic("upgrade", "head")
     assert schema(app_url)[0] >= TABLES_0003

@@ -219,4 +219,7 @@ def test_an_unknown_revision_is_one_line_listing_the_known_ones(empty_url):
     line = refusal(cli("migrate", empty_url, extra=("--revision", "bogus")))
     assert "--revision 'bogus'" in line
     assert "Can't locate revision" in line
-    assert "use 'heads' (the default) or one of outbox_0001, outbox_0002, outbox_0003" in line
+    assert (
+        "use 'heads' (the default) or one of outbox_0001, outbox_0002, outbox_0003, outbox_0004"
+        in line
+    )

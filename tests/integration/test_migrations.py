@@ -33,6 +33,7 @@ TABLES = {
     "outbox_suppressions",
     "outbox_operator_actions",
     "outbox_intakes",
+    "outbox_send_slots",
 }
 
 
@@ -180,7 +181,8 @@ def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout + done.stderr
 
-    assert "outbox_0003" in alembic("heads")
+    head = migrations.shipped_revisions()[-1]
+    assert head in alembic("heads")
     alembic("upgrade", "heads")
     engine = sa.create_engine(host_database)
     try:
@@ -190,7 +192,7 @@ def test_host_app_alembic_runs_the_outbox_branch(host_database, tmp_path):
             versions = {
                 r[0] for r in conn.exec_driver_sql("SELECT version_num FROM alembic_version")
             }
-        assert versions == {"host_0001", "outbox_0003"}
+        assert versions == {"host_0001", head}
         # The host's autogenerate sees no drift: our objects are hidden from it.
         assert "No new upgrade operations detected" in alembic("check")
         alembic("downgrade", "outbox@base")

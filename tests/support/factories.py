@@ -57,6 +57,7 @@ def enqueue(
     expires_at: datetime | None = None,
     per_transaction: int | None = None,
     short: bool = False,
+    fairness_key: str | None = None,
     **fields: Any,
 ) -> list[int]:
     """Enqueue through ``outbox.enqueue`` (a plain ``Outbox()`` by default) and commit; return
@@ -65,7 +66,8 @@ def enqueue(
     ``emails`` is a count (``email(i, short=short, **fields)`` for i from 0) or the Emails
     themselves. The i-th gets the key ``f"{prefix}:{i}"`` with ``prefix``, else ``key`` (None:
     a generated one); ``category``, ``priority``, ``not_before`` and ``expires_at`` go to every
-    enqueue. With ``per_transaction`` the rows are committed that many at a time.
+    enqueue, and ``fairness_key`` too. With ``per_transaction`` the rows are committed that
+    many at a time.
     """
     if prefix is not None and key is not None:
         raise TypeError("give prefix or key, not both")
@@ -89,6 +91,7 @@ def enqueue(
                     priority=priority,
                     not_before=not_before,
                     expires_at=expires_at,
+                    fairness_key=fairness_key,
                 )
                 ids.append(result.id)
     return ids

@@ -1,0 +1,132 @@
+"""Fair sending, the app's side: each keyed message gets its turn (``fair_at``) when it is
+written, a stride after the last queued message of its key, so keys are served in turn.
+
+The claim reads due rows in (priority, ``fair_at``, id) order: a row's turn is never before
+it is due (``next_attempt_at``), and a row with no key takes its turn when it is due, as
+before keys existed. A key with 50,000 queued messages has turns one stride apart far into
+the future; a key that enqueues one message now takes the next turn. Why the turn is set at
+enqueue and not by the claim: docs/design.md, "Fair sending".
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox.exceptions import ConfigurationError, InvalidArgument
+from outbox.schema import Status, messages
+
+__all__ = [
+    "MAX_FAIRNESS_KEY_LENGTH",
+    "STRIDE",
+    "FairnessKey",
+    "Weights",
+    "assign_turns",
+    "check_fairness_key",
+    "from_domain",
+]
+
+MAX_FAIRNESS_KEY_LENGTH = 255
+# The turns of one key's messages, at weight 1. Any stride longer than the time a message
+# takes to send keeps keys apart; a long one only places a big backlog's last turns far out.
+STRIDE = timedelta(seconds=1)
+_WEIGHT_RANGE = (0.001, 1000.0)
+
+FairnessKey = str | Callable[[Any], "str | None"]  # a category's: a key, or one from the email
+
+_m = messages
+_TAILS = (
+    sa.select(_m.c.fairness_key, sa.func.max(_m.c.fair_at))
+    .where(
+        _m.c.status == sa.literal_column(f"'{Status.PENDING.value}'"),
+        _m.c.fairness_key.in_(sa.bindparam("keys", expanding=True)),
+    )
+    .group_by(_m.c.fairness_key)
+)
+
+
+def check_fairness_key(value: object, field: str = "fairness_key") -> str | None:
+    """``value`` if it is a usable key (None: no key); else InvalidArgument naming ``field``."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidArgument(field, f"must be a string or None, not {type(value).__name__}")
+    if not value.strip():
+        raise InvalidArgument(field, "must not be empty (None for no key)")
+    if len(value) > MAX_FAIRNESS_KEY_LENGTH:
+        raise InvalidArgument(
+            field, f"is {len(value)} characters long; the limit is {MAX_FAIRNESS_KEY_LENGTH}"
+        )
+    return value
+
+
+def from_domain(email: Any) -> str:
+    """The From address's domain, lower case: a category's ``fairness_key`` that gives each
+    sending domain its turn (``Category(name=..., fairness_key=from_domain)``)."""
+    address = str(email.sender).rsplit("<", 1)[-1].rstrip(">").strip()
+    return address.rpartition("@")[2].lower()
+
+
+class Weights:
+    """How many turns a key gets for one of a weight-1 key's: ``{pattern: weight}``, the first
+    pattern (``fnmatch``, case-sensitive) that matches a key wins; unmatched keys weigh 1."""
+
+    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+        self.rules: list[tuple[str, float]] = []
+        if weights is None:
+            return
+        if not isinstance(weights, Mapping):
+            raise ConfigurationError("fairness_weights", "must be a mapping of pattern to weight")
+        low, high = _WEIGHT_RANGE
+        for pattern, weight in weights.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigurationError("fairness_weights", f"{pattern!r} is not a key pattern")
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, int | float)
+                or not math.isfinite(weight)
+                or not low <= weight <= high
+            ):
+                raise ConfigurationError(
+                    f"fairness_weights[{pattern!r}]", f"must be a number from {low:g} to {high:g}"
+                )
+            self.rules.append((pattern, float(weight)))
+
+    def stride(self, key: str) -> timedelta:
+        for pattern, weight in self.rules:
+            if fnmatch.fnmatchcase(key, pattern):
+                return STRIDE / weight
+        return STRIDE
+
+
+def assign_turns(conn: sa.Connection, rows: Sequence[dict[str, Any]], weights: Weights) -> None:
+    """Set ``fair_at`` on the keyed ``rows`` (in place, in order): a stride after the latest
+    turn of their key's pending rows that ``conn`` sees (this batch's included), and never
+    before the row is due. One query for the batch; none when no row has a key.
+
+    Two transactions enqueueing for one key at once do not see each other's rows, so their
+    messages may share turns: the key then goes faster by that many, never slower."""
+    keys = {row["fairness_key"] for row in rows if row.get("fairness_key") is not None}
+    if not keys:
+        return
+    tails: dict[str, datetime] = {}
+    for chunk in _chunks(sorted(keys), 500):
+        tails.update((key, at) for key, at in conn.execute(_TAILS, {"keys": chunk}) if at)
+    for row in rows:
+        key = row.get("fairness_key")
+        if key is None:
+            continue
+        due: datetime = row["next_attempt_at"]
+        tail = tails.get(key)
+        turn = due if tail is None else max(due, tail + weights.stride(key))
+        row["fair_at"] = tails[key] = turn
+
+
+def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

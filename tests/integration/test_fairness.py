@@ -1,0 +1,199 @@
+"""Fair sending on SQLite, PostgreSQL and MariaDB: the turns enqueue gives keyed messages and
+the order the claim takes them in (docs/design.md, "Fair sending").
+
+Driven with an explicit clock, as tests/integration/test_store.py is: every message is due at
+T0 (``not_before``), and each claim runs at a time built here.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from outbox import Category, Outbox
+from outbox.enqueue import build_row
+from outbox.exceptions import ConfigurationError, InvalidArgument
+from outbox.fairness import STRIDE, from_domain
+from outbox.schema import messages
+from relay import store
+from relay.policy import Action, Decision
+from tests.support import factories
+from tests.support.factories import email
+
+T0 = datetime(2099, 1, 1, 12, 0, tzinfo=UTC)
+OB = Outbox(
+    categories=[
+        Category(name="news", fairness_key="newsletter"),
+        Category(name="by-domain", fairness_key=from_domain),
+    ],
+    fairness_weights={"gold-*": 2, "slow": 0.5},
+)
+enqueue = functools.partial(factories.enqueue, outbox=OB, not_before=T0)
+
+
+def claim(engine: sa.Engine, limit: int, now: datetime = T0) -> list[store.Claim]:
+    with engine.begin() as conn:
+        claims, expired = store.claim_batch(
+            conn, relay_id="r", limit=limit, now=now, lease_seconds=60
+        )
+    assert expired == []
+    return claims
+
+
+def keys_of(claims: list[store.Claim]) -> list[str | None]:
+    return [c.fairness_key for c in claims]
+
+
+def fair_at(engine: sa.Engine, ids: list[int]) -> list[datetime]:
+    with engine.connect() as conn:
+        found = dict(
+            conn.execute(
+                sa.select(messages.c.id, messages.c.fair_at).where(messages.c.id.in_(ids))
+            ).all()
+        )
+    return [found[i] for i in ids]
+
+
+def test_a_key_that_enqueues_one_message_is_served_before_a_big_backlogs_second(engine):
+    enqueue(engine, 50, fairness_key="A")
+    (b,) = enqueue(engine, fairness_key="B")
+    first = claim(engine, 2)
+    assert keys_of(first) == ["A", "B"]
+    assert first[1].id == b
+
+
+def test_keys_take_turns_one_stride_apart_and_no_turn_is_before_its_row_is_due(engine):
+    a = enqueue(engine, 3, fairness_key="A")
+    b = enqueue(engine, 3, fairness_key="B")
+    assert fair_at(engine, a) == [T0, T0 + STRIDE, T0 + 2 * STRIDE]
+    assert fair_at(engine, b) == fair_at(engine, a)  # B's queue was empty: it starts now
+    assert keys_of(claim(engine, 6)) == ["A", "B", "A", "B", "A", "B"]
+
+
+def test_each_transaction_continues_its_keys_queue(engine):
+    first = enqueue(engine, 2, fairness_key="A")
+    then = enqueue(engine, 1, fairness_key="A")  # a later transaction sees the committed rows
+    assert fair_at(engine, first + then) == [T0, T0 + STRIDE, T0 + 2 * STRIDE]
+
+
+def test_a_key_whose_queue_emptied_starts_again_at_its_due_time(engine):
+    enqueue(engine, 3, fairness_key="A")
+    assert len(claim(engine, 3)) == 3  # nothing of A is pending now
+    later = T0 + timedelta(seconds=30)
+    (again,) = enqueue(engine, fairness_key="A", not_before=later)
+    assert fair_at(engine, [again]) == [later]
+
+
+def test_messages_without_a_key_are_served_in_due_order_among_the_keys(engine):
+    (plain,) = enqueue(engine)
+    enqueue(engine, 3, fairness_key="A")
+    (late,) = enqueue(engine, not_before=T0 + timedelta(seconds=1))
+    order = claim(engine, 5, now=T0 + timedelta(seconds=5))
+    assert [c.id for c in order][:1] == [plain]
+    assert keys_of(order) == [None, "A", "A", None, "A"]
+    assert order[3].id == late
+
+
+def test_priorities_come_before_turns(engine):
+    enqueue(engine, 5, fairness_key="A", priority=0)
+    enqueue(engine, 1, fairness_key="B", priority=1)
+    assert keys_of(claim(engine, 6)) == ["A"] * 5 + ["B"]
+
+
+def test_a_weight_of_two_gives_two_turns_for_one(engine):
+    enqueue(engine, 4, fairness_key="gold-1")
+    enqueue(engine, 4, fairness_key="plain")
+    assert keys_of(claim(engine, 6)) == ["gold-1", "plain", "gold-1", "gold-1", "plain", "gold-1"]
+
+
+def test_a_category_sets_the_key_when_enqueue_names_none(engine):
+    (news,) = enqueue(engine, category="news")
+    (mine,) = enqueue(engine, category="news", fairness_key="tenant-9")
+    sent_by = [email(0, sender="Shop <News@Mail.Example.COM>")]
+    (domain,) = enqueue(engine, sent_by, category="by-domain")
+    with engine.connect() as conn:
+        keys = dict(conn.execute(sa.select(messages.c.id, messages.c.fairness_key)).all())
+    assert (keys[news], keys[mine], keys[domain]) == ("newsletter", "tenant-9", "mail.example.com")
+
+
+def test_a_retry_keeps_a_turn_at_or_after_its_new_due_time(engine):
+    enqueue(engine, 3, fairness_key="A")
+    first, *_ = claim(engine, 1)
+    retry_at = T0 + timedelta(seconds=10)
+    with engine.begin() as conn:
+        assert store.apply_decision(
+            conn,
+            first,
+            Decision(action=Action.RETRY, code="x", message="x", next_attempt_at=retry_at),
+            T0,
+        )
+    assert fair_at(engine, [first.id]) == [retry_at]
+    # an earlier due time never moves a turn back: the turn of a held row stays where it was
+    (second,) = claim(engine, 1)
+    with engine.begin() as conn:
+        store.release_unsent(
+            conn, ids=[second.id], claim_token=second.claim_token, now=T0, next_attempt_at=T0
+        )
+    assert fair_at(engine, [second.id]) == [T0 + STRIDE]
+
+
+@pytest.mark.parametrize(
+    ("given", "field", "reason"),
+    [
+        ("", "fairness_key", "must not be empty"),
+        ("x" * 256, "fairness_key", "the limit is 255"),
+        (42, "fairness_key", "must be a string or None"),
+    ],
+)
+def test_a_bad_key_names_its_field_and_writes_nothing(engine, given, field, reason):
+    with Session(engine) as session, session.begin():
+        with pytest.raises(InvalidArgument) as raised:
+            OB.enqueue(session, email(0), fairness_key=given)
+        assert raised.value.field == field
+        assert reason in str(raised.value)
+        assert session.scalar(sa.select(sa.func.count()).select_from(messages)) == 0
+
+
+def test_a_category_key_function_that_fails_names_the_category():
+    def broken(_email: object) -> str:
+        raise KeyError("tenant")
+
+    ob = Outbox(categories=[Category(name="c", fairness_key=broken)])
+    engine = sa.create_engine("sqlite://")
+    with Session(engine) as session, pytest.raises(InvalidArgument) as raised:
+        ob.enqueue(session, email(0), category="c")
+    assert raised.value.field == "categories['c'].fairness_key"
+    assert "KeyError" in str(raised.value)
+
+
+def test_bad_fairness_settings_name_the_setting():
+    with pytest.raises(ConfigurationError, match=r"categories\['c'\].fairness_key"):
+        Category(name="c", fairness_key="")
+    with pytest.raises(ConfigurationError, match=r"fairness_weights\['x'\]"):
+        Outbox(fairness_weights={"x": 0})
+    with pytest.raises(ConfigurationError, match="fairness_weights"):
+        Outbox(fairness_weights=[("x", 1)])  # type: ignore[arg-type]
+
+
+def test_rows_written_before_the_upgrade_are_first_in_line(engine):
+    """A row an app not yet upgraded writes (no fairness columns) gets the column's default
+    turn: first in line, so it never waits behind keyed backlogs."""
+    (new,) = enqueue(engine, fairness_key="A")
+    row = build_row(
+        email(1),
+        key="old-app",
+        category=Category(name="default"),
+        priority=0,
+        not_before=T0,
+        expires_at=None,
+        now=T0,
+    )
+    del row["fairness_key"], row["fair_at"]
+    with engine.begin() as conn:
+        old = conn.execute(sa.insert(messages).values(row)).inserted_primary_key[0]
+    assert fair_at(engine, [old]) == [datetime(1970, 1, 1, tzinfo=UTC)]
+    assert [c.id for c in claim(engine, 2)] == [old, new]
