@@ -32,12 +32,13 @@ __all__ = [
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def option(name: str, *, env: str | None = None, **kw: Any) -> Callable[[_F], _F]:
+def option(name: str, *decls: str, env: str | None = None, **kw: Any) -> Callable[[_F], _F]:
     """A click option also read from ``OUTBOX_<NAME>`` (shown in ``--help``), or from ``env``
-    where two commands' flags of one setting have different names."""
+    where two commands' flags of one setting have different names; ``decls`` as click's
+    (the parameter's name, say)."""
     env = env or "OUTBOX_" + name.lstrip("-").replace("-", "_").upper()
     kw.setdefault("show_default", True)
-    return click.option(name, envvar=env, show_envvar=True, **kw)
+    return click.option(name, *decls, envvar=env, show_envvar=True, **kw)
 
 
 def warn_secret_flag(ctx: click.Context, param: click.Parameter, value: Any) -> Any:

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import ArgumentError
 
 from outbox.exceptions import ConfigurationError
+from relay.limits import ScopeLimit, parse_limit
 
 __all__ = [
     "EVENTS_WAIT_RANGE",
@@ -60,6 +61,9 @@ class RelayConfig:
     pause_seconds: float = 60.0
     exit_when_idle: bool = False
     relay_id: str = field(default_factory=default_relay_id)
+    # --key-limit and --identity-limit, as given (PATTERN=SPEC) or parsed (relay.limits)
+    key_limits: tuple[str | ScopeLimit, ...] = ()
+    identity_limits: tuple[str | ScopeLimit, ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -101,10 +105,35 @@ class RelayConfig:
             )
         if not self.relay_id or len(self.relay_id) > 255:
             raise ConfigurationError("--relay-id", "must be 1 to 255 characters")
+        for name, kind in (("key_limits", "key"), ("identity_limits", "identity")):
+            flag = f"--{kind}-limit"
+            given = getattr(self, name)
+            if isinstance(given, str):  # one limit, not a tuple of its characters
+                given = (given,)
+            parsed = tuple(
+                item if isinstance(item, ScopeLimit) else parse_limit(_text(item, flag), kind, flag)
+                for item in given
+            )
+            object.__setattr__(self, name, parsed)
+
+    @property
+    def limits(self) -> tuple[ScopeLimit, ...]:
+        """Every --key-limit and --identity-limit, parsed."""
+        return tuple(
+            item
+            for item in (*self.key_limits, *self.identity_limits)
+            if isinstance(item, ScopeLimit)
+        )
 
     @property
     def heartbeat_interval(self) -> float:
         return min(10.0, self.lease_seconds / 4)
+
+
+def _text(value: object, flag: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigurationError(flag, f"{value!r} is not PATTERN=SPEC text")
+    return value
 
 
 def _int(setting: str, value: object, low: int, high: int) -> None:

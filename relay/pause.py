@@ -24,6 +24,7 @@ __all__ = [
     "Pauses",
     "Scope",
     "ScopeKind",
+    "identities",
     "identity",
     "resource_scope",
     "unverified_scope",
@@ -75,6 +76,15 @@ def identity(sender: str) -> str:
     """The address of a From (``"Shop <Shop@Example.com>"``: ``shop@example.com``), the name
     of its identity scope."""
     return sender.rsplit("<", 1)[-1].rstrip(">").strip().lower()
+
+
+def identities(sender: str) -> list[str]:
+    """The identities a From belongs to, most specific first: its address, its domain and the
+    domains above it (a verified domain identity covers its subdomains: SES may name
+    ``example.com`` for ``a@mail.example.com``)."""
+    address = identity(sender)
+    labels = address.rpartition("@")[2].split(".")
+    return [address, *(".".join(labels[i:]) for i in range(max(1, len(labels) - 1)))]
 
 
 # SES: "Email address is not verified. The following identities failed the check in region

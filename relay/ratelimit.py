@@ -39,12 +39,16 @@ from datetime import datetime, timedelta
 
 __all__ = [
     "HORIZON",
+    "IN_FLIGHT_WAIT",
     "LATE_START",
     "MAX_HANDOFF",
+    "SHARED",
     "SLACK",
     "WINDOW",
     "Booking",
+    "Planned",
     "RateController",
+    "ScopedSend",
     "SendBudget",
     "Slot",
     "earliest_start",
@@ -52,6 +56,7 @@ __all__ = [
     "occupation",
 ]
 
+SHARED = ""  # the scope of --max-send-rate's budget (others: "key:..." and "identity:...")
 WINDOW = timedelta(seconds=1)  # the provider counts recipients per second, sliding
 SLACK = timedelta(milliseconds=50)  # bookings are spaced a window and this apart
 LATE_START = timedelta(milliseconds=35)  # of the slack, what a send thread may start late by
@@ -60,6 +65,9 @@ _HANDOFF = 0.05  # seconds: the first guess of how long a booking takes to reach
 _HANDOFF_HALF_LIFE = 10.0  # seconds: how fast the longest handoff seen is forgotten
 MAX_HANDOFF = 5.0  # seconds: the longest lead ever used (a frozen process is not a handoff)
 _PRUNE_INTERVAL = 1.0  # seconds (monotonic) between deletions of bookings that no longer count
+# How long a send whose scope has its most sends in flight steps back in line, per round of
+# that scope's sends ahead of it: in flight is freed by sends ending, which no one can plan.
+IN_FLIGHT_WAIT = timedelta(seconds=1)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,6 +144,38 @@ def merged(bookings: Iterable[Booking]) -> list[Booking]:
         else:
             out.append(booking)
     return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScopedSend:
+    """A send to plan: ``recipients``, and the budgets it is booked in (``SHARED`` first when
+    there is a shared limit) with each one's rate; ``caps`` are the scopes it belongs to that
+    have a most sends in flight, with that most."""
+
+    recipients: int
+    rates: tuple[tuple[str, float], ...] = ()
+    caps: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Planned:
+    """What :meth:`SendBudget.plan_scoped` made of one send: a ``start`` when it may start
+    then, with its ``bookings`` (scope, booking; none when no budget of its has a rate); else
+    ``wait_until``, when it goes back in line because a scope of its own is at its limit.
+    Neither: the shared budget is full, so it and every later send wait (the shared schedule
+    keeps their order)."""
+
+    start: datetime | None = None
+    bookings: tuple[tuple[str, Booking], ...] = ()
+    wait_until: datetime | None = None
+
+
+def _booking(start: datetime, recipients: int, limit: float) -> Booking:
+    return Booking(start=start, recipients=recipients, until=start + occupation(recipients, limit))
+
+
+def _append(schedule: list[Booking], booking: Booking) -> None:
+    schedule[-1:] = merged([*schedule[-1:], booking])
 
 
 class RateController:
@@ -253,6 +293,63 @@ class SendBudget:
             schedule[-1:] = merged([*schedule[-1:], booking])
         self._next = earliest_start(schedule, 1, limit=limit, now=floor, span=self.span)
         return planned
+
+    def plan_scoped(
+        self,
+        booked: dict[str, list[Booking]],
+        in_flight: dict[str, int],
+        sends: Sequence[ScopedSend],
+        now: datetime,
+    ) -> list[Planned]:
+        """:meth:`plan` over several budgets at once: each send starts at the earliest moment
+        every budget it belongs to has room (each budget's rule alone holds at any later
+        moment, since nothing is booked after it), and takes a slot of each scope with a most
+        sends in flight. A send its own scope holds back (its rate, its sends in flight) goes
+        back in line until that scope has room, and the sends after it go on; one the shared
+        budget holds back stops the plan, as :meth:`plan` does. ``booked`` and ``in_flight``
+        are every relay's, by scope; both are updated as sends are planned."""
+        floor, reach = now + self.lead, now + self.reach
+        held: dict[str, int] = {}  # sends sent back per capped scope, for their wait
+        out: list[Planned] = []
+        for send in sends:
+            full = next((s for s, cap in send.caps if in_flight.get(s, 0) >= cap), None)
+            if full is not None:
+                held[full] = held.get(full, 0) + 1
+                cap = dict(send.caps)[full]
+                out.append(Planned(wait_until=now + IN_FLIGHT_WAIT * (1 + (held[full] - 1) // cap)))
+                continue
+            starts = {
+                scope: earliest_start(
+                    booked.setdefault(scope, []),
+                    send.recipients,
+                    limit=rate,
+                    now=floor,
+                    span=self.span,
+                )
+                for scope, rate in send.rates
+            }
+            start = max(starts.values(), default=floor)
+            if starts.get(SHARED, floor) > reach:
+                self._next = starts[SHARED]
+                break
+            rates = dict(send.rates)
+            if start > reach:  # its own scope is at its rate: the next of that scope after it
+                scope = max(starts, key=lambda s: starts[s])
+                _append(booked[scope], _booking(start, send.recipients, rates[scope]))
+                out.append(Planned(wait_until=max(now, start - self.reach)))
+                continue
+            bookings = tuple((s, _booking(start, send.recipients, rates[s])) for s in starts)
+            for scope, booking in bookings:
+                _append(booked[scope], booking)
+            for scope, _cap in send.caps:
+                in_flight[scope] = in_flight.get(scope, 0) + 1
+            out.append(Planned(start=start, bookings=bookings))
+        else:
+            if SHARED in booked and self.rate is not None:
+                self._next = earliest_start(
+                    booked[SHARED], 1, limit=self.rate, now=floor, span=self.span
+                )
+        return out
 
     def available(self) -> float:
         """How many sends the relay may claim now: none while its last look found the budget

@@ -331,6 +331,9 @@ class Relay:
         # paused: idle once a probe found nothing due (a paused scope's held messages are
         # not due; they wait for a later run)
         busy = busy or (self.pauses.account_paused and not self.producer.probe_found_nothing)
+        # a message its key's or identity's limit sent back in line is due again shortly
+        deferred = self.producer.deferred_until
+        busy = busy or (deferred is not None and self.clock() < deferred)
         return not busy and self.limiter.available() >= 1
 
     def _wait(self) -> None:

@@ -277,6 +277,23 @@ def _smtp_options(timeout_help: str) -> Callable[[_F], _F]:
     "over any one-second window; 'auto' reads the SES account's MaxSendRate (default: no limit).",
 )
 @option(
+    "--key-limit",
+    "key_limits",
+    multiple=True,
+    show_default=False,
+    help="PATTERN=RATE/s, PATTERN=inflight:N or both, comma-separated: each fairness key the "
+    "pattern matches (fnmatch) gets at most RATE recipients per second and N sends at once, "
+    "for all relays together; repeatable, the first match wins (the variable: space-separated).",
+)
+@option(
+    "--identity-limit",
+    "identity_limits",
+    multiple=True,
+    show_default=False,
+    help="As --key-limit, for the From address or domain the pattern matches "
+    "('example.com=10/s': all of that domain's mail together).",
+)
+@option(
     "--drain-seconds",
     type=float,
     default=45.0,

@@ -18,21 +18,23 @@ from outbox.message import Email
 from outbox.schema import AttemptOutcome
 from relay import store
 from relay.config import valid_send_rate
+from relay.limits import Limits
 from relay.loop.pausing import scopes
 from relay.loop.records import Done, Ready, fitted
 from relay.pause import Admission, Pauses, Scope
 from relay.policy import Action, Decision
-from relay.ratelimit import SendBudget, Slot
+from relay.ratelimit import SHARED, Booking, ScopedSend, SendBudget, Slot
 from relay.recipients import address_key
 from relay.senders import Sender
 
-__all__ = ["BudgetFilter", "PauseFilter", "SuppressionFilter", "Wave", "total_rate"]
+__all__ = ["BudgetFilter", "Deferred", "PauseFilter", "SuppressionFilter", "Wave", "total_rate"]
 
 _log = logging.getLogger("relay")
 
 _AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 
 Wave = list[tuple[Ready, Slot | None]]  # messages to start, each with its slot (None: now)
+Deferred = list[tuple[Ready, datetime]]  # messages back in line, each until when
 
 
 class PauseFilter:
@@ -54,36 +56,78 @@ class PauseFilter:
 
 
 class BudgetFilter:
-    """The send budget all relays share: each message booked at the earliest time that keeps
-    every second within the limit, in the pass's transaction, under the budget's lock."""
+    """The send budgets all relays share: the shared one (``--max-send-rate``) and one per
+    limited key or identity (``--key-limit``, ``--identity-limit``). Each message is booked in
+    every budget it belongs to at the earliest time that keeps every second of each within its
+    limit, and takes a slot of each scope with a most sends in flight, in the pass's
+    transaction, under the budgets' one lock. A message its own scope holds back goes back in
+    line (no attempt used) until that scope has room; the messages after it go on."""
 
-    def __init__(self, limiter: SendBudget, relay_id: str, clock: Callable[[], datetime]) -> None:
+    def __init__(
+        self,
+        limiter: SendBudget,
+        relay_id: str,
+        clock: Callable[[], datetime],
+        limits: Limits | None = None,
+    ) -> None:
         self.limiter = limiter
         self.relay_id = relay_id
         self._clock = clock
+        self.limits = limits or Limits()
 
     def admissible(self, ready: list[Ready]) -> bool:
         return bool(ready) and self.limiter.available() >= 1
 
-    def admit(self, conn: sa.Connection, ready: list[Ready]) -> Wave:
-        """The first of ``ready`` the limit lets start, in order, each with its slot; the
-        rest wait for a later pass."""
-        if self.limiter.rate is None:
-            return [(r, None) for r in ready]
+    def admit(self, conn: sa.Connection, ready: list[Ready]) -> tuple[Wave, Deferred]:
+        """The first of ``ready`` the limits let start, in order, each with its slot (the
+        rest wait for a later pass), and those their own scope sends back in line, each with
+        when to come back."""
+        shared = self.limiter.rate
+        if shared is None and not self.limits:
+            return [(r, None) for r in ready], []
         if not ready or self.limiter.available() < 1:
-            return []
+            return [], []
         store.lock_send_budget(conn)
         now, mono = self._clock(), time.monotonic()  # after the lock: it may have been waited for
-        booked = store.send_bookings(conn, since=self.limiter.lookback(now))
-        sizes = [max(1, r.claim.recipient_count) for r in ready]
-        planned = self.limiter.plan(booked, sizes, now)
-        store.book_sends(conn, relay_id=self.relay_id, bookings=planned)
+        sends = [self._send(r, shared) for r in ready]
+        rated = {scope for send in sends for scope, _ in send.rates}
+        capped = {scope for send in sends for scope, _ in send.caps}
+        booked = store.scoped_bookings(conn, since=self.limiter.lookback(now), scopes=rated)
+        in_flight = store.send_slots_in_use(conn, scopes=capped)
+        planned = self.limiter.plan_scoped(booked, in_flight, sends, now)
+        by_scope: dict[str, list[Booking]] = {}
+        slots: list[tuple[str, int, str]] = []
+        wave: Wave = []
+        deferred: Deferred = []
+        for r, send, plan in zip(ready, sends, planned, strict=False):
+            if plan.wait_until is not None:
+                deferred.append((r, plan.wait_until))
+                continue
+            assert plan.start is not None
+            for scope, booking in plan.bookings:
+                by_scope.setdefault(scope, []).append(booking)
+            slots.extend((scope, r.claim.id, r.claim.claim_token) for scope, _ in send.caps)
+            at = mono + (plan.start - now).total_seconds()
+            wave.append((r, Slot(planned=mono, start=at) if plan.bookings else None))
+        for scope, bookings in by_scope.items():
+            store.book_sends(conn, relay_id=self.relay_id, bookings=bookings, scope=scope)
+        store.take_send_slots(conn, slots=slots, now=now)
         if (cutoff := self.limiter.prune_due(now)) is not None:
             store.prune_send_budget(conn, before=cutoff)
-        return [
-            (r, Slot(planned=mono, start=mono + (booking.start - now).total_seconds()))
-            for r, booking in zip(ready, planned, strict=False)
-        ]
+            if self.limits:
+                store.prune_send_slots(conn)
+        return wave, deferred
+
+    def _send(self, ready: Ready, shared: float | None) -> ScopedSend:
+        """``ready`` as the budgets see it: its recipients, its budgets and its caps."""
+        scopes = self.limits.scopes(ready.claim.fairness_key, ready.email.sender)
+        rates = [(SHARED, shared)] if shared is not None else []
+        rates += [(name, limit.rate) for name, limit in scopes if limit.rate is not None]
+        return ScopedSend(
+            recipients=max(1, ready.claim.recipient_count),
+            rates=tuple(rates),
+            caps=tuple((n, limit.in_flight) for n, limit in scopes if limit.in_flight is not None),
+        )
 
 
 class SuppressionFilter:

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from outbox.message import Email
 from relay import store
 from relay.config import RelayConfig
-from relay.pause import ACCOUNT, Pauses, Scope, ScopeKind, identity
+from relay.pause import ACCOUNT, Pauses, Scope, ScopeKind, identities
 from relay.ratelimit import RateController
 from relay.senders import Ambiguous, Disabled, Outcome, Permanent, Transient
 
@@ -24,17 +24,11 @@ _SENDER_ERRORS_TO_PAUSE = 3  # consecutive sends the sender raised on: pause, do
 
 def scopes(email: Email) -> tuple[Scope, ...]:
     """The pausable scopes a message belongs to: the account, its configuration set (empty:
-    the sender's default), its From address, its domain and the domains above it (a verified
-    domain identity covers its subdomains: SES may name ``example.com`` for
-    ``a@mail.example.com``)."""
-    address = identity(email.sender)
-    labels = address.rpartition("@")[2].split(".")
-    domains = [".".join(labels[i:]) for i in range(max(1, len(labels) - 1))]
+    the sender's default), its From address, its domain and the domains above it."""
     return (
         ACCOUNT,
         Scope(ScopeKind.CONFIGURATION_SET, email.configuration_set or ""),
-        Scope(ScopeKind.IDENTITY, address),
-        *(Scope(ScopeKind.IDENTITY, domain) for domain in domains),
+        *(Scope(ScopeKind.IDENTITY, name) for name in identities(email.sender)),
     )
 
 

@@ -16,7 +16,8 @@ from outbox.message import Email
 from relay import signals, store, tracing
 from relay.config import RelayConfig
 from relay.db import is_outage
-from relay.loop.admission import BudgetFilter, PauseFilter, SuppressionFilter, Wave
+from relay.limits import Limits
+from relay.loop.admission import BudgetFilter, Deferred, PauseFilter, SuppressionFilter, Wave
 from relay.loop.announce import announce_expired, announce_saved
 from relay.loop.completer import Completer
 from relay.loop.connection import LoopConnection
@@ -61,11 +62,12 @@ class Producer:
         self._stopping = stopping
         self.held = PauseFilter(pauses)
         self.relay_id = config.relay_id
-        self.budget = BudgetFilter(limiter, config.relay_id, clock)
+        self.budget = BudgetFilter(limiter, config.relay_id, clock, Limits(config.limits))
         self.suppressions = SuppressionFilter(pauses)
         self.filters = (self.held, self.budget, self.suppressions)
         self.ready: list[Ready] = []  # claimed, not yet started
         self.probe_found_nothing = False  # an account probe's claim found no due message
+        self.deferred_until: datetime | None = None  # the latest a limit sent a claim back to
 
     def claim_limit(self) -> tuple[int, bool]:
         """How many rows to claim now, and whether the claim is a paused relay's probe."""
@@ -96,10 +98,12 @@ class Producer:
         claims: list[store.Claim] = []
         expired: list[store.Expired] = []
         wave: Wave = []
+        deferred: Deferred = []
         # (id, claim token) -> the send's start (send_started_at): an id may be ready twice
         marked: dict[tuple[int, str], datetime] = {}
         pending = list(self.ready)  # the unstarted claims, with this pass's new ones
         invalid: list[Done] = []  # claims whose payload is not an email
+        taken: set[int] = set()  # ids of the ready admitted or sent back by this pass
         barred: list[Done] = []
         barred_applied: list[bool] = []
         began = time.monotonic()
@@ -118,8 +122,10 @@ class Producer:
                     self._accept(conn, claims, now, pending, invalid)
                     if due_before and len(claims) + len(expired) < limit:
                         due_before = self._control.unheld(conn, due_before, now)
-                wave = self.budget.admit(conn, pending)
+                wave, deferred = self.budget.admit(conn, pending)
                 admitted = len(wave)
+                taken = {id(r) for r, _ in wave} | {id(r) for r, _ in deferred}
+                self._defer(conn, deferred, now)
                 wave, barred = self.suppressions.screen(conn, wave, now)
                 barred_applied = completer.save(conn, barred, now)
                 for token, ids in by_token(r.claim for r, _ in wave).items():
@@ -152,7 +158,8 @@ class Producer:
                 )
         del completer.unsaved[: len(batch)]
         completer.unsaved.extend(invalid)
-        self.ready = pending[admitted:]  # only once the marks committed
+        # only once the marks committed: what was admitted or sent back leaves the queue
+        self.ready = [r for r in pending if id(r) not in taken]
         announce_saved(self._source, batch, applied)
         announce_saved(self._source, barred, barred_applied)
         announce_expired(self._source, expired)
@@ -215,6 +222,26 @@ class Producer:
             _log.info(
                 "held: its sending is paused", extra={"action": "held", "message_id": claim.id}
             )
+
+    def _defer(self, conn: sa.Connection, deferred: Deferred, now: datetime) -> None:
+        """Send back in line, no attempt used, the claims their own key or identity holds back
+        (its rate, its sends in flight), each until that scope has room."""
+        if not deferred:
+            return
+        groups: dict[tuple[str, datetime], list[int]] = {}
+        for ready, until in deferred:
+            groups.setdefault((ready.claim.claim_token, until), []).append(ready.claim.id)
+        for (token, until), ids in groups.items():
+            store.release_unsent(conn, ids=ids, claim_token=token, now=now, next_attempt_at=until)
+        for ready, until in deferred:
+            if ready.probe is not None:  # nothing was sent: the scope is still unprobed
+                self.pauses.probe_lost(ready.probe)
+            self.deferred_until = max(self.deferred_until or until, until)
+        _log.info(
+            "%d claimed messages over their key's or identity's limit step back in line",
+            len(deferred),
+            extra={"action": "limited", "count": len(deferred)},
+        )
 
     def release(self, scope: Scope | None = None) -> None:
         """Give back the claims waiting to start: all of them (drain, an account pause), or

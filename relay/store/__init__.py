@@ -18,7 +18,16 @@ The rules that keep the relay safe:
 from __future__ import annotations
 
 from relay.store.attempts import AttemptRecord, attempted_by, record_attempts
-from relay.store.budget import book_sends, lock_send_budget, prune_send_budget, send_bookings
+from relay.store.budget import (
+    book_sends,
+    lock_send_budget,
+    prune_send_budget,
+    prune_send_slots,
+    scoped_bookings,
+    send_bookings,
+    send_slots_in_use,
+    take_send_slots,
+)
 from relay.store.bulk import (
     CANCELLABLE,
     REQUEUEABLE,
@@ -121,6 +130,7 @@ __all__ = [
     "message_ids",
     "missing_tables",
     "prune_send_budget",
+    "prune_send_slots",
     "read_lag",
     "read_view",
     "recent_payloads",
@@ -134,11 +144,14 @@ __all__ = [
     "requeue_many",
     "resolve_confirmed",
     "schedule_retry",
+    "scoped_bookings",
     "send_bookings",
+    "send_slots_in_use",
     "settle_expired_leases",
     "statuses_of",
     "stop_held",
     "suppressed_among",
     "sweep_candidates",
     "sweep_expired_leases",
+    "take_send_slots",
 ]

@@ -1,27 +1,63 @@
-"""The shared send budget (``--max-send-rate``): every send booked in ``outbox_send_budget``
-before it starts, one relay at a time under the lock of ``outbox_send_budget_lock``'s one row,
-in the transaction that marks the wave. When each may start is relay.ratelimit's arithmetic;
-none of this runs without a send limit."""
+"""The send budgets: every send booked in ``outbox_send_budget`` before it starts, in each
+budget (scope) it belongs to (``--max-send-rate``'s shared one, a ``--key-limit``'s or an
+``--identity-limit``'s), one relay at a time under the lock of ``outbox_send_budget_lock``'s
+one row, in the transaction that marks the wave; and the slots of the scopes with a most sends
+in flight (``outbox_send_slots``). When each may start is relay.ratelimit's arithmetic; none
+of this runs without a limit."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from outbox.schema import UTCDateTime, send_budget, send_budget_lock
-from relay.ratelimit import Booking, merged
+from outbox.schema import Status, UTCDateTime, messages, send_budget, send_budget_lock, send_slots
+from relay.ratelimit import SHARED, Booking, merged
 
-__all__ = ["book_sends", "lock_send_budget", "prune_send_budget", "send_bookings"]
+__all__ = [
+    "book_sends",
+    "lock_send_budget",
+    "prune_send_budget",
+    "prune_send_slots",
+    "scoped_bookings",
+    "send_bookings",
+    "send_slots_in_use",
+    "take_send_slots",
+]
 
 _budget = send_budget
+_slots = send_slots
+_m = messages
 _LOCK_BUDGET = sa.update(send_budget_lock).where(send_budget_lock.c.id == 1).values(id=1)
+_SINCE = sa.bindparam("since", type_=UTCDateTime())
 _BOOKINGS = (
     sa.select(_budget.c.reserved_at, _budget.c.recipients, _budget.c.occupied_until)
-    .where(_budget.c.occupied_until > sa.bindparam("since", type_=UTCDateTime()))
+    .where(_budget.c.scope == SHARED, _budget.c.occupied_until > _SINCE)
     .order_by(_budget.c.reserved_at, _budget.c.id)
+)
+_SCOPED_BOOKINGS = (
+    sa.select(
+        _budget.c.scope, _budget.c.reserved_at, _budget.c.recipients, _budget.c.occupied_until
+    )
+    .where(
+        _budget.c.scope.in_(sa.bindparam("scopes", expanding=True)),
+        _budget.c.occupied_until > _SINCE,
+    )
+    .order_by(_budget.c.reserved_at, _budget.c.id)
+)
+# A slot counts while its message is processing under the claim that took it: a send saved,
+# given back or swept (its relay died) frees it, with nothing to delete first.
+_HELD = sa.exists().where(
+    _m.c.id == _slots.c.message_id,
+    _m.c.claim_token == _slots.c.claim_token,
+    _m.c.status == Status.PROCESSING.value,
+)
+_SLOTS_IN_USE = (
+    sa.select(_slots.c.scope, sa.func.count())
+    .where(_slots.c.scope.in_(sa.bindparam("scopes", expanding=True)), _HELD)
+    .group_by(_slots.c.scope)
 )
 
 
@@ -47,7 +83,7 @@ def lock_send_budget(conn: sa.Connection) -> None:
 
 
 def send_bookings(conn: sa.Connection, *, since: datetime) -> list[Booking]:
-    """The bookings whose hold on the budget ends after ``since``, in start order; read under
+    """The shared budget's bookings whose hold ends after ``since``, in start order; read under
     :func:`lock_send_budget` (at READ COMMITTED each statement sees what committed before it)."""
     return [
         Booking(start=row.reserved_at, recipients=row.recipients, until=row.occupied_until)
@@ -55,15 +91,33 @@ def send_bookings(conn: sa.Connection, *, since: datetime) -> list[Booking]:
     ]
 
 
-def book_sends(conn: sa.Connection, *, relay_id: str, bookings: Sequence[Booking]) -> None:
-    """Record this relay's new bookings (sends with the same start and hold as one row), under
-    :func:`lock_send_budget`."""
+def scoped_bookings(
+    conn: sa.Connection, *, since: datetime, scopes: Collection[str]
+) -> dict[str, list[Booking]]:
+    """:func:`send_bookings` of each of ``scopes`` (each in start order)."""
+    found: dict[str, list[Booking]] = {scope: [] for scope in scopes}
+    if not scopes:
+        return found
+    params = {"since": since, "scopes": sorted(scopes)}
+    for row in conn.execute(_SCOPED_BOOKINGS, params):
+        found[row.scope].append(
+            Booking(start=row.reserved_at, recipients=row.recipients, until=row.occupied_until)
+        )
+    return found
+
+
+def book_sends(
+    conn: sa.Connection, *, relay_id: str, bookings: Sequence[Booking], scope: str = SHARED
+) -> None:
+    """Record this relay's new bookings in ``scope``'s budget (sends with the same start and
+    hold as one row), under :func:`lock_send_budget`."""
     rows = [
         {
             "relay_id": relay_id,
             "reserved_at": b.start,
             "recipients": b.recipients,
             "occupied_until": b.until,
+            "scope": scope,
         }
         for b in merged(bookings)
     ]
@@ -76,3 +130,34 @@ def prune_send_budget(conn: sa.Connection, *, before: datetime) -> int:
     one."""
     result = conn.execute(sa.delete(_budget).where(_budget.c.occupied_until < before))
     return int(result.rowcount)
+
+
+def send_slots_in_use(conn: sa.Connection, *, scopes: Collection[str]) -> dict[str, int]:
+    """How many sends of each of ``scopes`` are in flight, on every relay; read under
+    :func:`lock_send_budget`."""
+    found = dict.fromkeys(scopes, 0)
+    if scopes:
+        found.update(
+            (scope, int(n)) for scope, n in conn.execute(_SLOTS_IN_USE, {"scopes": sorted(scopes)})
+        )
+    return found
+
+
+def take_send_slots(
+    conn: sa.Connection, *, slots: Sequence[tuple[str, int, str]], now: datetime
+) -> None:
+    """One slot per (scope, message id, claim token) of a send about to start, under
+    :func:`lock_send_budget`, in the transaction that marks it."""
+    if slots:
+        conn.execute(
+            sa.insert(_slots),
+            [
+                {"scope": scope, "message_id": mid, "claim_token": token, "taken_at": now}
+                for scope, mid, token in slots
+            ],
+        )
+
+
+def prune_send_slots(conn: sa.Connection) -> int:
+    """Delete the slots that no longer count (their send saved, given back or swept)."""
+    return int(conn.execute(sa.delete(_slots).where(~_HELD)).rowcount)
