@@ -62,14 +62,15 @@ __all__ = ["EnqueuedMessage", "empty_outbox", "enqueued_messages"]
 
 @dataclass(frozen=True, slots=True)
 class EnqueuedMessage:
-    """One outbox row as a test sees it: its id, idempotency key, category, status, and the
-    :class:`~outbox.Email` decoded from its payload."""
+    """One outbox row as a test sees it: its id, idempotency key, category, status, the
+    :class:`~outbox.Email` decoded from its payload, and its fairness key (None: none)."""
 
     id: int
     key: str
     category: str
     status: Status
     email: Email
+    fairness_key: str | None = None
 
 
 def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedMessage]:
@@ -94,6 +95,7 @@ def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedM
             messages.c.category,
             messages.c.status,
             messages.c.payload,
+            messages.c.fairness_key,
         )
         .where(messages.c.id > after_id)
         .order_by(messages.c.id)
@@ -107,6 +109,7 @@ def enqueued_messages(engine: sa.Engine, *, after_id: int = 0) -> list[EnqueuedM
             category=row.category,
             status=Status(row.status),
             email=Email.from_payload(row.payload),
+            fairness_key=row.fairness_key,
         )
         for row in rows
     ]

@@ -19,6 +19,7 @@ from outbox.enqueue import build_row
 from outbox.exceptions import ConfigurationError, InvalidArgument
 from outbox.fairness import STRIDE, from_domain
 from outbox.schema import messages
+from outbox.testing import enqueued_messages
 from relay import store
 from relay.policy import Action, Decision
 from tests.support import factories
@@ -197,3 +198,10 @@ def test_rows_written_before_the_upgrade_are_first_in_line(engine):
         old = conn.execute(sa.insert(messages).values(row)).inserted_primary_key[0]
     assert fair_at(engine, [old]) == [datetime(1970, 1, 1, tzinfo=UTC)]
     assert [c.id for c in claim(engine, 2)] == [old, new]
+
+
+def test_an_apps_tests_see_each_messages_fairness_key(engine):
+    (keyed,) = enqueue(engine, fairness_key="tenant-1")
+    (plain,) = enqueue(engine)
+    seen = {m.id: m.fairness_key for m in enqueued_messages(engine)}
+    assert seen == {keyed: "tenant-1", plain: None}
