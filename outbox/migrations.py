@@ -75,6 +75,7 @@ VIEWS = frozenset(
         "outbox_delivery_summary",
         "outbox_event_intake",
         "outbox_operator_log",
+        "outbox_fairness",
     }
 )
 

@@ -248,6 +248,14 @@ def _in(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
 
 
+def _exact(length: int) -> sa.types.TypeEngine[str]:
+    """Text compared byte for byte on every backend: MariaDB's default collation would make
+    the fairness keys "Acme" and "acme " one key (its turns, its limits)."""
+    return sa.String(length).with_variant(
+        mysql.VARCHAR(length, collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
+
+
 messages = sa.Table(
     "outbox_messages",
     metadata,
@@ -284,7 +292,7 @@ messages = sa.Table(
     sa.Column("reconcile_after", sa.Double(), nullable=True),
     # fair sending: the row's tenant (or any lane), and its turn in the claim's order, a time
     # at or after next_attempt_at: docs/design.md, "Fair sending"
-    sa.Column("fairness_key", sa.String(255), nullable=True),
+    sa.Column("fairness_key", _exact(255), nullable=True),
     sa.Column("fair_at", UTCDateTime(), nullable=False, server_default=FAIR_AT_DEFAULT),
     sa.UniqueConstraint("idempotency_key"),
     sa.CheckConstraint(_in("status", tuple(Status)), name="status"),
@@ -395,7 +403,7 @@ send_budget = sa.Table(
     sa.Column("occupied_until", UTCDateTime(), nullable=False, index=True),
     # whose budget: '' the shared --max-send-rate, 'key:...' or 'identity:...' a --key-limit
     # or --identity-limit's
-    sa.Column("scope", sa.String(SCOPE_CHARS), nullable=False, server_default=""),
+    sa.Column("scope", _exact(SCOPE_CHARS), nullable=False, server_default=""),
     mysql_engine="InnoDB",
 )
 
@@ -406,7 +414,7 @@ send_slots = sa.Table(
     "outbox_send_slots",
     metadata,
     sa.Column("id", _BigId, sa.Identity(), primary_key=True),
-    sa.Column("scope", sa.String(SCOPE_CHARS), nullable=False, index=True),
+    sa.Column("scope", _exact(SCOPE_CHARS), nullable=False, index=True),
     sa.Column("message_id", _BigId, nullable=False),
     sa.Column("claim_token", sa.String(36), nullable=False),
     sa.Column("taken_at", UTCDateTime(), nullable=False),
@@ -461,9 +469,7 @@ sa.Index(
 # Addresses the relay never mails (lower-cased). Compared byte for byte: MariaDB's default
 # collation would make "jose@" and "josé@" one key.
 ADDRESS_CHARS = 320  # the longest address RFC 5321 allows; a suppression is keyed on it
-_Address = sa.String(ADDRESS_CHARS).with_variant(
-    mysql.VARCHAR(320, collation="utf8mb4_bin"), "mysql", "mariadb"
-)
+_Address = _exact(ADDRESS_CHARS)
 
 suppressions = sa.Table(
     "outbox_suppressions",

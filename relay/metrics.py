@@ -8,7 +8,9 @@ tables below are its summary.
 so several relays in one process never mix their numbers) and reads the relay's state when
 scraped. The lag comes from the ``outbox_lag`` view, read on a short connection of the relay's
 engine by the scraping thread, at most once every ``lag_interval`` seconds: never on the
-relay's own loop.
+relay's own loop. The lag per fairness key is read the same way from the queued rows (one
+statement, :func:`relay.store.catalog.read_due_by_key`), at most once every ``key_interval``
+seconds: it counts every due row, so it is read less often.
 
 =================================== ========= ==================== =================================
 name                                type      labels               what
@@ -41,6 +43,15 @@ name                                type      labels               what
 ``outbox_lag_refresh_errors_total`` counter                        failed reads of ``outbox_lag``
                                                                    (the lag series are left out
                                                                    until a read works again)
+``outbox_key_due_messages``         gauge     key                  messages due now per fairness
+                                                                   key: the ``top_keys`` keys with
+                                                                   the most, the rest summed as
+                                                                   ``other``, the unkeyed as ``""``
+``outbox_key_lag_seconds``          gauge     key                  age of the oldest due message of
+                                                                   each of those (0 while none)
+``outbox_key_refresh_errors_total`` counter                        failed reads of the per-key lag
+                                                                   (its series are left out until
+                                                                   a read works again)
 ``outbox_relay_info``               gauge     relay_id, sender,    always 1
                                               version
 ``outbox_reconciled_total``         counter   result               ambiguous sends settled without
@@ -94,7 +105,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -110,13 +121,17 @@ from relay import signals, store
 from relay.clock import read_database_time
 from relay.intake import Intake
 from relay.pause import ScopeKind
+from relay.store.catalog import DueByKey, KeyDue, read_due_by_key
 from relay.worker import Relay
 
 __all__ = [
     "BUILT_IN_CATEGORIES",
     "CLAIM_BUCKETS",
     "FUTURE_TOLERANCE_SECONDS",
+    "OTHER_KEYS",
     "SEND_BUCKETS",
+    "TOP_KEYS",
+    "UNKEYED",
     "IntakeMetrics",
     "RelayMetrics",
 ]
@@ -124,6 +139,13 @@ __all__ = [
 # every Outbox has these two categories (outbox.category.DEFAULT_CATEGORIES; the relay does
 # not import the app side): their lag series exist from the first scrape
 BUILT_IN_CATEGORIES = frozenset({"default", "transactional"})
+
+# The fairness keys with series of their own: a key is anyone's input (a tenant, a domain), so
+# the page names the busiest TOP_KEYS and sums the rest under OTHER_KEYS; UNKEYED is no key
+# (a key is never empty). A key spelled "other" is counted in OTHER_KEYS: one series a label.
+TOP_KEYS = 20
+OTHER_KEYS = "other"
+UNKEYED = ""
 
 _log = logging.getLogger("relay.metrics")
 
@@ -150,6 +172,53 @@ class _Due:
     lag_seconds: float
 
 
+def _key_series(due: DueByKey, now: datetime) -> dict[str, _Due]:
+    """Each ``key`` label's due count and lag: the unkeyed, the top keys, the rest; a label
+    met twice (a key spelled like :data:`OTHER_KEYS`) is one series of both."""
+    found: dict[str, KeyDue] = {}
+
+    def add(label: str, d: KeyDue) -> None:
+        seen = found.get(label)
+        if seen is not None:
+            oldest = [t for t in (seen.oldest_due_at, d.oldest_due_at) if t is not None]
+            d = KeyDue(
+                key=None,
+                due_count=seen.due_count + d.due_count,
+                oldest_due_at=min(oldest, default=None),
+            )
+        found[label] = d
+
+    add(UNKEYED, due.unkeyed)
+    for d in due.top:
+        add(d.key or UNKEYED, d)
+    add(OTHER_KEYS, due.rest)
+    return {
+        label: _Due(
+            float(d.due_count),
+            0.0 if d.oldest_due_at is None else max(0.0, (now - d.oldest_due_at).total_seconds()),
+        )
+        for label, d in found.items()
+    }
+
+
+class _Every:
+    """Runs a read at most once every ``seconds``; a scrape that finds another one reading
+    goes on with the last values rather than wait. The read sets :attr:`read_at`."""
+
+    def __init__(self) -> None:
+        self.read_at = -float("inf")
+        self._lock = threading.Lock()
+
+    def run(self, read: Callable[[], None], seconds: float) -> None:
+        if time.monotonic() - self.read_at < seconds or not self._lock.acquire(blocking=False):
+            return
+        try:
+            if time.monotonic() - self.read_at >= seconds:
+                read()
+        finally:
+            self._lock.release()
+
+
 def _package_version() -> str:
     try:
         return version("sqlalchemy-outbox")
@@ -168,6 +237,9 @@ class RelayMetrics:
     built in (``default``, ``transactional``: every ``Outbox`` has them), named in
     ``categories`` (an app's ``Outbox.categories``), or was seen due since: a rule or a panel
     on them has a series from the first scrape, and ``absent()`` says the lag cannot be read.
+
+    The per-key gauges name the ``top_keys`` fairness keys with the most due messages; the
+    ``other`` and unkeyed series are there from the first scrape, 0 while none is due.
     """
 
     def __init__(
@@ -177,9 +249,15 @@ class RelayMetrics:
         lag_interval: float = 5.0,
         intake: Intake | None = None,
         categories: Iterable[str] = (),
+        key_interval: float = 30.0,
+        top_keys: int = TOP_KEYS,
     ) -> None:
+        if isinstance(top_keys, bool) or not isinstance(top_keys, int) or top_keys < 0:
+            raise ValueError(f"top_keys must be an int, 0 or more, not {top_keys!r}")
         self.relay = relay
         self.lag_interval = lag_interval
+        self.key_interval = key_interval
+        self.top_keys = top_keys
         self.registry = CollectorRegistry()
         r = self.registry
         self.messages = Counter(
@@ -213,9 +291,11 @@ class RelayMetrics:
         )
         r.register(_StateCollector(self))
         self.lag_errors = 0  # failed reads of outbox_lag
-        self._lag_lock = threading.Lock()
+        self._lag_every = _Every()
         self._lag: dict[str, _Due] | None = None  # None: never read, or the last read failed
-        self._lag_read_at = -float("inf")
+        self.key_errors = 0  # failed reads of the lag per key
+        self._keys_every = _Every()
+        self._keys: dict[str, _Due] | None = None  # by key label; None as _lag
         # reported as 0 while none is due; replaced, never changed, as scrapes read it meanwhile
         self._categories = BUILT_IN_CATEGORIES | frozenset(categories)
         self._receivers: list[tuple[NamedSignal, _Receiver]] = []
@@ -279,7 +359,7 @@ class RelayMetrics:
             )
             return
         finally:
-            self._lag_read_at = time.monotonic()
+            self._lag_every.read_at = time.monotonic()
         due = {str(r.category): _Due(float(r.due_count), float(r.lag_seconds)) for r in rows}
         self._categories = self._categories | frozenset(due)
         self._lag = due
@@ -288,19 +368,42 @@ class RelayMetrics:
         """``{category: (due_count, lag_seconds)}``, read again if older than ``lag_interval``;
         None if the last read failed. A scrape that finds another one reading uses the last
         values rather than wait."""
-        if time.monotonic() - self._lag_read_at >= self.lag_interval and self._lag_lock.acquire(
-            blocking=False
-        ):
-            try:
-                if time.monotonic() - self._lag_read_at >= self.lag_interval:
-                    self.refresh_lag()
-            finally:
-                self._lag_lock.release()
+        self._lag_every.run(self.refresh_lag, self.lag_interval)
         due = self._lag
         if due is None:
             return None
         idle = {c: (0.0, 0.0) for c in self._categories}
         return idle | {c: (d.count, d.lag_seconds) for c, d in due.items()}
+
+    def refresh_keys(self) -> None:
+        """Read the due messages per fairness key now, on a short connection from the relay's
+        engine."""
+        try:
+            with self.relay.engine.connect() as conn:
+                now = read_database_time(conn)
+                due = read_due_by_key(conn, now=now, top=self.top_keys)
+        except Exception as exc:
+            self.key_errors += 1
+            self._keys = None
+            _log.warning(
+                "cannot read the lag per fairness key: %s",
+                getattr(exc, "orig", None) or exc,
+                extra={"action": "metrics_key_error"},
+            )
+            return
+        finally:
+            self._keys_every.read_at = time.monotonic()
+        self._keys = _key_series(due, now)
+
+    def keys(self) -> dict[str, tuple[float, float]] | None:
+        """``{key label: (due_count, lag_seconds)}`` (:data:`UNKEYED`, the top keys,
+        :data:`OTHER_KEYS`), read again if older than ``key_interval``; None if the last read
+        failed."""
+        self._keys_every.run(self.refresh_keys, self.key_interval)
+        keys = self._keys
+        if keys is None:
+            return None
+        return {label: (d.count, d.lag_seconds) for label, d in keys.items()}
 
     # -- exposition ------------------------------------------------------------------------
 
@@ -370,6 +473,27 @@ class _StateCollector(Collector):
             "outbox_lag_refresh_errors",
             "Reads of the outbox_lag view that failed.",
             value=self._metrics.lag_errors,
+        )
+        key_due = GaugeMetricFamily(
+            "outbox_key_due_messages",
+            'Messages due now per fairness key: the busiest keys, the rest as key="other", '
+            'the unkeyed as key="".',
+            labels=["key"],
+        )
+        key_lag = GaugeMetricFamily(
+            "outbox_key_lag_seconds",
+            "Age of the oldest message due now per fairness key, as outbox_key_due_messages.",
+            labels=["key"],
+        )
+        for key, (count, seconds) in (self._metrics.keys() or {}).items():
+            key_due.add_metric([key], count)
+            key_lag.add_metric([key], seconds)
+        yield key_due
+        yield key_lag
+        yield CounterMetricFamily(
+            "outbox_key_refresh_errors",
+            "Reads of the due messages per fairness key that failed.",
+            value=self._metrics.key_errors,
         )
 
 

@@ -589,6 +589,9 @@ def test_metrics_page_is_prometheus_text_with_conventional_names(backend):
         "outbox_lag_seconds": "gauge",
         "outbox_due_messages": "gauge",
         "outbox_lag_refresh_errors": "counter",
+        "outbox_key_due_messages": "gauge",
+        "outbox_key_lag_seconds": "gauge",
+        "outbox_key_refresh_errors": "counter",
         "outbox_reconciled": "counter",  # the reconcile sweep's requeues (every relay runs it)
     }
     assert "_created" not in page.body
