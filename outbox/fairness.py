@@ -58,6 +58,9 @@ def check_fairness_key(value: object, field: str = "fairness_key") -> str | None
         raise InvalidArgument(field, f"must be a string or None, not {type(value).__name__}")
     if not value.strip():
         raise InvalidArgument(field, "must not be empty (None for no key)")
+    if value != value.strip():
+        # MariaDB compares text ignoring trailing spaces: "acme" and "acme " would be one key
+        raise InvalidArgument(field, f"{value!r} must not begin or end with whitespace")
     if len(value) > MAX_FAIRNESS_KEY_LENGTH:
         raise InvalidArgument(
             field, f"is {len(value)} characters long; the limit is {MAX_FAIRNESS_KEY_LENGTH}"

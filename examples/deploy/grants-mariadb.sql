@@ -88,10 +88,12 @@ SET @outbox_password = NULL, @outbox_account = NULL;
 -- The app (outbox/enqueue.py): INSERT of the columns a new row carries, under GET_LOCK (no
 -- grant needed); a duplicate key's id is read back by key (LOCK IN SHARE MODE). MySQL before
 -- 8.0.22 also wants UPDATE or LOCK TABLES for that locking read; MariaDB and later MySQL do not.
+-- A keyed message's turn follows the latest turn of its key's pending rows (outbox/fairness.py).
 GRANT INSERT (idempotency_key, category, priority, status, payload, recipients,
     recipient_count, subject, attempt_count, max_attempts, backoff_base, backoff_cap,
-    ambiguity_policy, reconcile_after, next_attempt_at, expires_at, created_at, updated_at),
-    SELECT (id, idempotency_key)
+    ambiguity_policy, reconcile_after, next_attempt_at, expires_at, created_at, updated_at,
+    fairness_key, fair_at),
+    SELECT (id, idempotency_key, status, fairness_key, fair_at)
     ON `${DB_NAME}`.`outbox_messages` TO '${APP_USER}'@'${CLIENT_HOST}';
 
 -- The relay: `run` (relay/store.py) and `events` (relay/intake.py). It reads every outbox
@@ -100,7 +102,7 @@ GRANT INSERT (idempotency_key, category, priority, status, payload, recipients,
 GRANT SELECT, UPDATE (status, claim_token, claimed_by, claimed_at, lease_expires_at,
     send_started_at, attempt_count, next_attempt_at, last_attempt_at, last_error_code,
     last_error_message, sent_at, provider_message_id, delivery_status, delivery_status_at,
-    updated_at)
+    updated_at, fair_at)
     ON `${DB_NAME}`.`outbox_messages` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_attempts` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT, UPDATE (host, pid, started_at, heartbeat_at, state)
@@ -108,6 +110,8 @@ GRANT SELECT, INSERT, UPDATE (host, pid, started_at, heartbeat_at, state)
 GRANT SELECT, INSERT, DELETE ON `${DB_NAME}`.`outbox_send_budget`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT, UPDATE (id) ON `${DB_NAME}`.`outbox_send_budget_lock`
+    TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT, INSERT, DELETE ON `${DB_NAME}`.`outbox_send_slots`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT, UPDATE (effect) ON `${DB_NAME}`.`outbox_events`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';
@@ -122,11 +126,12 @@ GRANT SELECT ON `${DB_NAME}`.`outbox_failures` TO '${RELAY_USER}'@'${CLIENT_HOST
 GRANT SELECT ON `${DB_NAME}`.`outbox_relay_health` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_delivery_summary` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_event_intake` TO '${RELAY_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_fairness` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 
 -- Operators (relay/admin.py): read everything; requeue, cancel and resolve move a message and
 -- add an attempt row; suppressions add, import and remove; each writes its log line.
 GRANT SELECT, UPDATE (status, claim_token, lease_expires_at, send_started_at, attempt_count,
-    next_attempt_at, sent_at, provider_message_id, updated_at)
+    next_attempt_at, sent_at, provider_message_id, updated_at, fair_at)
     ON `${DB_NAME}`.`outbox_messages` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_attempts` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_operator_actions`
@@ -146,3 +151,5 @@ GRANT SELECT ON `${DB_NAME}`.`outbox_relay_health` TO '${OPERATOR_USER}'@'${CLIE
 GRANT SELECT ON `${DB_NAME}`.`outbox_delivery_summary` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_event_intake` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
 GRANT SELECT ON `${DB_NAME}`.`outbox_operator_log` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_send_slots` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';
+GRANT SELECT ON `${DB_NAME}`.`outbox_fairness` TO '${OPERATOR_USER}'@'${CLIENT_HOST}';

@@ -67,12 +67,15 @@ GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"app_role";
 
 -- The app (outbox/enqueue.py): one INSERT of the columns a new row carries (with pg_notify,
 -- which every role may call), ON CONFLICT on the idempotency key, RETURNING the ids; a
--- duplicate key's id is read back by key. It reads no body, recipient or status.
+-- duplicate key's id is read back by key; a keyed message's turn follows the latest turn of
+-- its key's pending rows (outbox/fairness.py). It reads no body or recipient.
 GRANT INSERT (idempotency_key, category, priority, status, payload, recipients,
     recipient_count, subject, attempt_count, max_attempts, backoff_base, backoff_cap,
-    ambiguity_policy, reconcile_after, next_attempt_at, expires_at, created_at, updated_at)
+    ambiguity_policy, reconcile_after, next_attempt_at, expires_at, created_at, updated_at,
+    fairness_key, fair_at)
     ON :"schema".outbox_messages TO :"app_role";
-GRANT SELECT (id, idempotency_key) ON :"schema".outbox_messages TO :"app_role";
+GRANT SELECT (id, idempotency_key, status, fairness_key, fair_at)
+    ON :"schema".outbox_messages TO :"app_role";
 
 -- The relay: `run` (relay/store.py) and `events` (relay/intake.py). Identity columns need no
 -- grant on their sequences, and LISTEN needs none either.
@@ -83,34 +86,38 @@ GRANT SELECT (id, idempotency_key) ON :"schema".outbox_messages TO :"app_role";
 --     how it is retried (attempt budget, backoff, ambiguity policy, expiry).
 --   outbox_attempts: one INSERT per attempt, swept send, reconcile and resolve.
 --   outbox_relays: register (INSERT, or take over a dead relay's row), heartbeat and stop.
---   outbox_send_budget, outbox_send_budget_lock: with --max-send-rate, every send is booked
---     (INSERT) under the lock row (UPDATE; INSERT puts it back if it is missing); bookings
---     that ended are deleted.
+--   outbox_send_budget, outbox_send_budget_lock: with --max-send-rate, --key-limit or
+--     --identity-limit, every send is booked (INSERT) under the lock row (UPDATE; INSERT puts
+--     it back if it is missing); bookings that ended are deleted.
+--   outbox_send_slots: with a limit of sends in flight, one row per send (INSERT), deleted
+--     once its send is no longer in flight.
 --   outbox_events: the intake records each event once (INSERT) and sets what it did (effect).
 --   outbox_suppressions: the intake adds bounced and complaining addresses, each send reads
 --     them; only operators remove one.
 --   outbox_intakes: each intake replica's row (INSERT ... ON CONFLICT DO UPDATE).
 --   outbox_operator_actions and the views: read only (/metrics reads outbox_lag and
 --     outbox_delivery_summary; the schema check looks for every outbox table).
+--   A retry, a release or a requeue moves a row's turn (fair_at) with its due time.
 GRANT SELECT ON :"schema".outbox_messages, :"schema".outbox_attempts, :"schema".outbox_relays,
     :"schema".outbox_send_budget, :"schema".outbox_send_budget_lock, :"schema".outbox_events,
     :"schema".outbox_suppressions, :"schema".outbox_intakes, :"schema".outbox_operator_actions,
+    :"schema".outbox_send_slots,
     :"schema".outbox_status_summary, :"schema".outbox_lag, :"schema".outbox_unknown_outcomes,
     :"schema".outbox_failures, :"schema".outbox_relay_health, :"schema".outbox_delivery_summary,
-    :"schema".outbox_event_intake
+    :"schema".outbox_event_intake, :"schema".outbox_fairness
     TO :"relay_role";
 GRANT UPDATE (status, claim_token, claimed_by, claimed_at, lease_expires_at, send_started_at,
     attempt_count, next_attempt_at, last_attempt_at, last_error_code, last_error_message,
-    sent_at, provider_message_id, delivery_status, delivery_status_at, updated_at)
+    sent_at, provider_message_id, delivery_status, delivery_status_at, updated_at, fair_at)
     ON :"schema".outbox_messages TO :"relay_role";
 GRANT INSERT ON :"schema".outbox_attempts, :"schema".outbox_relays, :"schema".outbox_send_budget,
     :"schema".outbox_send_budget_lock, :"schema".outbox_events, :"schema".outbox_suppressions,
-    :"schema".outbox_intakes
+    :"schema".outbox_intakes, :"schema".outbox_send_slots
     TO :"relay_role";
 GRANT UPDATE (host, pid, started_at, heartbeat_at, state) ON :"schema".outbox_relays
     TO :"relay_role";
 GRANT UPDATE (id) ON :"schema".outbox_send_budget_lock TO :"relay_role";
-GRANT DELETE ON :"schema".outbox_send_budget TO :"relay_role";
+GRANT DELETE ON :"schema".outbox_send_budget, :"schema".outbox_send_slots TO :"relay_role";
 GRANT UPDATE (effect) ON :"schema".outbox_events TO :"relay_role";
 GRANT UPDATE (queue_url, visibility_timeout, started_at, heartbeat_at, caught_up_at)
     ON :"schema".outbox_intakes TO :"relay_role";
@@ -129,10 +136,11 @@ GRANT SELECT ON :"schema".outbox_messages, :"schema".outbox_attempts, :"schema".
     :"schema".outbox_suppressions, :"schema".outbox_intakes, :"schema".outbox_operator_actions,
     :"schema".outbox_status_summary, :"schema".outbox_lag, :"schema".outbox_unknown_outcomes,
     :"schema".outbox_failures, :"schema".outbox_relay_health, :"schema".outbox_delivery_summary,
-    :"schema".outbox_event_intake, :"schema".outbox_operator_log
+    :"schema".outbox_event_intake, :"schema".outbox_operator_log, :"schema".outbox_send_slots,
+    :"schema".outbox_fairness
     TO :"operator_role";
 GRANT UPDATE (status, claim_token, lease_expires_at, send_started_at, attempt_count,
-    next_attempt_at, sent_at, provider_message_id, updated_at)
+    next_attempt_at, sent_at, provider_message_id, updated_at, fair_at)
     ON :"schema".outbox_messages TO :"operator_role";
 GRANT INSERT ON :"schema".outbox_attempts, :"schema".outbox_operator_actions
     TO :"operator_role";

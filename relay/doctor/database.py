@@ -37,6 +37,7 @@ _MESSAGE_COLUMNS = (
     "delivery_status",
     "delivery_status_at",
     "updated_at",
+    "fair_at",
 )
 _RUN_GRANTS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     *(
@@ -47,6 +48,7 @@ _RUN_GRANTS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
             "outbox_relays",
             "outbox_send_budget",
             "outbox_send_budget_lock",
+            "outbox_send_slots",
             "outbox_suppressions",
             "outbox_lag",
             "outbox_delivery_summary",
@@ -60,11 +62,13 @@ _RUN_GRANTS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
             "outbox_relays",
             "outbox_send_budget",
             "outbox_send_budget_lock",
+            "outbox_send_slots",
         )
     ),
     ("UPDATE", "outbox_relays", ("host", "pid", "started_at", "heartbeat_at", "state")),
     ("UPDATE", "outbox_send_budget_lock", ("id",)),
     ("DELETE", "outbox_send_budget", None),
+    ("DELETE", "outbox_send_slots", None),
 )
 _INTAKE_GRANTS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("SELECT", "outbox_events", None),

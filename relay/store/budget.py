@@ -100,6 +100,8 @@ def scoped_bookings(
         return found
     params = {"since": since, "scopes": sorted(scopes)}
     for row in conn.execute(_SCOPED_BOOKINGS, params):
+        if row.scope not in found:
+            continue  # MariaDB's IN ignores trailing spaces: another scope's bookings
         found[row.scope].append(
             Booking(start=row.reserved_at, recipients=row.recipients, until=row.occupied_until)
         )

@@ -244,13 +244,18 @@ def permission_denied(engine: sa.Engine, statement: str) -> None:
         assert error.args[0] in (1142, 1143, 1044), (statement, error)
 
 
-def enqueue_as(engine: sa.Engine, keys: list[str]) -> list[tuple[int, bool]]:
+def enqueue_as(
+    engine: sa.Engine, keys: list[str], *, fairness_key: str | None = None
+) -> list[tuple[int, bool]]:
     """Enqueue one email per key in one transaction; (id, duplicate) for each."""
     ob, Sessions = Outbox(), sessionmaker(engine)
     with Sessions.begin() as session:
         return [
             (r.id, r.duplicate)
-            for r in (ob.enqueue(session, email(n), key=key) for n, key in enumerate(keys))
+            for r in (
+                ob.enqueue(session, email(n), key=key, fairness_key=fairness_key)
+                for n, key in enumerate(keys)
+            )
         ]
 
 
@@ -323,8 +328,9 @@ def test_the_app_role_enqueues_new_and_duplicate_keys_and_nothing_more(server_ba
     permission_denied(app, "SELECT COUNT(*) FROM outbox_relays")
     permission_denied(app, "SELECT * FROM outbox_status_summary")
     permission_denied(app, "CREATE TABLE outbox_h8_probe (id INTEGER)")
-    # nor read what it enqueued (bodies, recipients, status), nor write a claim or a result
-    for column in ("payload", "recipients", "subject", "status", "provider_message_id"):
+    # nor read what it enqueued (bodies, recipients), nor write a claim or a result; it reads
+    # the status, key and turn of queued rows only to place a keyed row's turn
+    for column in ("payload", "recipients", "subject", "provider_message_id"):
         permission_denied(app, f"SELECT {column} FROM outbox_messages")
     permission_denied(app, "SELECT COUNT(*) FROM outbox_suppressions")
     permission_denied(app, "INSERT INTO outbox_messages (claim_token) VALUES ('forged')")
@@ -339,7 +345,9 @@ def test_a_relay_process_under_the_relay_role_delivers_sweeps_and_expires(
     app = roles.engine(roles.app_url)
     keys = [f"grants:{n}" for n in range(20)]
     ids = [id_ for id_, duplicate in enqueue_as(app, keys) if not duplicate]
-    assert len(ids) == 20
+    # keyed mail: the app reads its key's turns; the relay books and counts the key's limits
+    ids += [id_ for id_, _ in enqueue_as(app, ["grants:t1", "grants:t2"], fairness_key="t")]
+    assert len(ids) == 22
     hung_sent, hung_unsent, stale = ids[0], ids[1], ids[2]
     now = datetime.now(UTC)
     with admin.begin() as conn:
@@ -390,6 +398,8 @@ def test_a_relay_process_under_the_relay_role_delivers_sweeps_and_expires(
         "2",
         "--max-send-rate",
         "10",
+        "--key-limit",
+        "t=1/s,inflight:1",
         "--poll-interval",
         "0.2",
     )

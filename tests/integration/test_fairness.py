@@ -146,6 +146,7 @@ def test_a_retry_keeps_a_turn_at_or_after_its_new_due_time(engine):
     ("given", "field", "reason"),
     [
         ("", "fairness_key", "must not be empty"),
+        ("acme ", "fairness_key", "must not begin or end with whitespace"),
         ("x" * 256, "fairness_key", "the limit is 255"),
         (42, "fairness_key", "must be a string or None"),
     ],
@@ -205,3 +206,16 @@ def test_an_apps_tests_see_each_messages_fairness_key(engine):
     (plain,) = enqueue(engine)
     seen = {m.id: m.fairness_key for m in enqueued_messages(engine)}
     assert seen == {keyed: "tenant-1", plain: None}
+
+
+def test_keys_that_differ_only_in_case_are_two_keys(engine):
+    """Compared byte for byte on every backend (MariaDB's default collation would merge
+    them): each key's queue is its own."""
+    enqueue(engine, 2, fairness_key="Acme")
+    (lower,) = enqueue(engine, fairness_key="acme")
+    assert fair_at(engine, [lower]) == [T0]  # not after Acme's two
+    with engine.connect() as conn:
+        keys = conn.scalars(
+            sa.select(messages.c.fairness_key).where(messages.c.fairness_key == "acme")
+        ).all()
+    assert keys == ["acme"]
