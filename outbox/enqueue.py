@@ -68,6 +68,7 @@ __all__ = [
     "build_row",
     "check_key",
     "check_packet_size",
+    "existing_ids",
     "insert_message",
     "insert_messages",
     "new_key",
@@ -317,11 +318,11 @@ def _insert_sqlite(conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> list[
     back alone, the transaction goes on, so it needs no savepoint."""
     found = {key: (int(id_), False) for id_, key in conn.execute(_insert_returning, list(rows))}
     skipped = [row["idempotency_key"] for row in rows if row["idempotency_key"] not in found]
-    found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
+    found.update((key, (id_, True)) for key, id_ in existing_ids(conn, skipped).items())
     return [found[row["idempotency_key"]] for row in rows]
 
 
-def _existing_ids(conn: sa.Connection, keys: Iterable[str]) -> dict[str, int]:
+def existing_ids(conn: sa.Connection, keys: Iterable[str]) -> dict[str, int]:
     """The ids of the rows with ``keys`` that ``conn`` can see."""
     keys = list(keys)
     ids: dict[str, int] = {}
@@ -492,7 +493,7 @@ def _after_insert(
     between the two statements, to be inserted again."""
     found.update((key, (int(id_), False)) for id_, key in inserted)
     skipped = [row["idempotency_key"] for row in todo if row["idempotency_key"] not in found]
-    found.update((key, (id_, True)) for key, id_ in _existing_ids(conn, skipped).items())
+    found.update((key, (id_, True)) for key, id_ in existing_ids(conn, skipped).items())
     return [row for row in todo if row["idempotency_key"] not in found]
 
 
@@ -610,7 +611,7 @@ def _committed_ids(conn: sa.Connection, keys: list[str]) -> dict[str, int] | Non
                 )
                 if schema_map is not None:
                     other = other.execution_options(schema_translate_map=schema_map)
-                return _existing_ids(other, keys)
+                return existing_ids(other, keys)
             finally:
                 other.invalidate()  # closed for good: no idle connection outlives the lookup
     except SQLAlchemyError:

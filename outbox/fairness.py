@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -40,13 +40,23 @@ _WEIGHT_RANGE = (0.001, 1000.0)
 FairnessKey = str | Callable[[Any], "str | None"]  # a category's: a key, or one from the email
 
 _m = messages
-_TAILS = (
-    sa.select(_m.c.fairness_key, sa.func.max(_m.c.fair_at))
+# The latest turn in a key's line at one priority: its pending rows already due by the new
+# row's due time, or placed after another by a stride (turn past due time). A row scheduled for
+# later (not_before, a held pause) is not in line yet and must not push the key's mail behind
+# it; nor must the key's mail of another priority, which is served apart.
+_TAIL = (
+    sa.select(_m.c.fair_at)
     .where(
+        _m.c.fairness_key == sa.bindparam("key", type_=_m.c.fairness_key.type),
         _m.c.status == sa.literal_column(f"'{Status.PENDING.value}'"),
-        _m.c.fairness_key.in_(sa.bindparam("keys", expanding=True)),
+        _m.c.priority == sa.bindparam("priority", type_=_m.c.priority.type),
+        sa.or_(
+            _m.c.fair_at > _m.c.next_attempt_at,
+            _m.c.next_attempt_at <= sa.bindparam("due", type_=_m.c.next_attempt_at.type),
+        ),
     )
-    .group_by(_m.c.fairness_key)
+    .order_by(_m.c.fair_at.desc())
+    .limit(1)
 )
 
 
@@ -107,29 +117,38 @@ class Weights:
         return STRIDE
 
 
-def assign_turns(conn: sa.Connection, rows: Sequence[dict[str, Any]], weights: Weights) -> None:
+def assign_turns(
+    conn: sa.Connection,
+    rows: Sequence[dict[str, Any]],
+    weights: Weights,
+    *,
+    skip: Collection[str] = frozenset(),
+) -> None:
     """Set ``fair_at`` on the keyed ``rows`` (in place, in order): a stride after the latest
-    turn of their key's pending rows that ``conn`` sees (this batch's included), and never
-    before the row is due. One query for the batch; none when no row has a key.
+    turn in their key's line at their priority that ``conn`` sees (this batch's included),
+    and never before the row is due. One query per key and priority of the batch; none when
+    no row has a key. Rows whose idempotency key is in ``skip`` (duplicates: not written)
+    take no turn.
 
     Two transactions enqueueing for one key at once do not see each other's rows, so their
     messages may share turns: the key then goes faster by that many, never slower."""
-    keys = {row["fairness_key"] for row in rows if row.get("fairness_key") is not None}
-    if not keys:
-        return
-    tails: dict[str, datetime] = {}
-    for chunk in _chunks(sorted(keys), 500):
-        tails.update((key, at) for key, at in conn.execute(_TAILS, {"keys": chunk}) if at)
+    lines: dict[tuple[str, int], datetime] = {}  # (key, priority) -> the latest due time
+    for row in rows:
+        if (key := row.get("fairness_key")) is not None:
+            line = (key, row["priority"])
+            lines[line] = max(lines.get(line, row["next_attempt_at"]), row["next_attempt_at"])
+    tails: dict[tuple[str, int], datetime | None] = {
+        (key, priority): conn.execute(
+            _TAIL, {"key": key, "priority": priority, "due": due}
+        ).scalar()
+        for (key, priority), due in lines.items()
+    }
     for row in rows:
         key = row.get("fairness_key")
-        if key is None:
+        if key is None or row["idempotency_key"] in skip:
             continue
+        line = (key, row["priority"])
         due: datetime = row["next_attempt_at"]
-        tail = tails.get(key)
+        tail = tails[line]
         turn = due if tail is None else max(due, tail + weights.stride(key))
-        row["fair_at"] = tails[key] = turn
-
-
-def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+        row["fair_at"] = tails[line] = turn

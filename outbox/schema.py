@@ -314,12 +314,14 @@ sa.Index(
     postgresql_where=sa.text(_in("status", CLAIMABLE)),
     sqlite_where=sa.text(_in("status", CLAIMABLE)),
 )
-# Enqueue reads the last turn of a key's queued rows; the views count the queued rows by key.
+# Enqueue reads the last turn in a key's line at a priority (outbox/fairness.py), backwards.
 sa.Index(
     "ix_outbox_messages_fairness",
     messages.c.fairness_key,
     messages.c.status,
+    messages.c.priority,
     messages.c.fair_at,
+    messages.c.next_attempt_at,
     postgresql_where=sa.text("status = 'pending' AND fairness_key IS NOT NULL"),
     sqlite_where=sa.text("status = 'pending' AND fairness_key IS NOT NULL"),
 )

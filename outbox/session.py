@@ -31,7 +31,7 @@ from sqlalchemy.util.concurrency import in_greenlet
 
 from outbox import signals, tracing
 from outbox.category import DEFAULT_CATEGORIES, Category
-from outbox.enqueue import EnqueueResult, build_row, check_key, insert_messages
+from outbox.enqueue import EnqueueResult, build_row, check_key, existing_ids, insert_messages
 from outbox.exceptions import ConfigurationError, InvalidArgument, UnknownCategory
 from outbox.fairness import Weights, assign_turns, check_fairness_key
 from outbox.message import Email
@@ -210,7 +210,10 @@ def _write(
             fresh.append(entry)
     rows = [e.row for e in fresh]
     if fresh:
-        assign_turns(conn, rows, fresh[0].outbox.weights)
+        keyed = [r["idempotency_key"] for r in rows if r["fairness_key"] is not None]
+        # a duplicate is not written: the rows after it take its turn (one lookup, by key)
+        skip = existing_ids(conn, keyed) if len(keyed) > 1 else {}
+        assign_turns(conn, rows, fresh[0].outbox.weights, skip=skip.keys())
     with tracing.creating(rows) as created:
         written = insert_messages(
             conn,

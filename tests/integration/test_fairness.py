@@ -219,3 +219,36 @@ def test_keys_that_differ_only_in_case_are_two_keys(engine):
             sa.select(messages.c.fairness_key).where(messages.c.fairness_key == "acme")
         ).all()
     assert keys == ["acme"]
+
+
+def test_a_keys_scheduled_mail_does_not_push_its_due_mail_behind_other_keys(engine):
+    """A reminder scheduled a month out is not in the key's line yet: the key's mail due now
+    takes its turn now, not after the reminder."""
+    enqueue(engine, fairness_key="A", not_before=T0 + timedelta(days=30))
+    enqueue(engine, 20, fairness_key="B")
+    (reset,) = enqueue(engine, fairness_key="A")
+    assert fair_at(engine, [reset]) == [T0]
+    assert reset in [c.id for c in claim(engine, 2)]
+
+
+def test_a_keys_low_priority_backlog_does_not_push_its_urgent_mail_behind_other_keys(engine):
+    enqueue(engine, 50, fairness_key="A", priority=10)
+    enqueue(engine, 20, fairness_key="B")
+    (urgent,) = enqueue(engine, fairness_key="A")
+    assert fair_at(engine, [urgent]) == [T0]
+    assert urgent in [c.id for c in claim(engine, 2)]
+
+
+def test_a_batch_rerun_gives_its_new_rows_the_turns_its_duplicates_would_have_had(engine):
+    """An idempotent job enqueues the same batch again with one more email: the duplicates
+    are not written, so they take no turn; the new email is next in its key's line."""
+    mails = [email(i) for i in range(5)]
+    keys = [f"job:{i}" for i in range(6)]
+    with Session(engine) as session, session.begin():
+        OB.enqueue_many(session, mails, keys=keys[:5], fairness_key="A", not_before=T0)
+    with Session(engine) as session, session.begin():
+        again = OB.enqueue_many(
+            session, [*mails, email(5)], keys=keys, fairness_key="A", not_before=T0
+        )
+    assert [r.duplicate for r in again] == [True] * 5 + [False]
+    assert fair_at(engine, [again[-1].id]) == [T0 + 5 * STRIDE]
