@@ -168,6 +168,7 @@ class Planned:
     start: datetime | None = None
     bookings: tuple[tuple[str, Booking], ...] = ()
     wait_until: datetime | None = None
+    held_by: str | None = None  # the scope that sent it back in line
 
 
 def _booking(start: datetime, recipients: int, limit: float) -> Booking:
@@ -247,6 +248,7 @@ class SendBudget:
         self._handoff = handoff  # seconds: the longest recent booking-to-thread handoff
         self._handoff_at = monotonic()
         self._last_prune = -math.inf
+        self._holds: dict[str, datetime] = {}  # scope -> the latest it sent a claim back to
 
     @property
     def rate(self) -> float | None:
@@ -309,14 +311,15 @@ class SendBudget:
         budget holds back stops the plan, as :meth:`plan` does. ``booked`` and ``in_flight``
         are every relay's, by scope; both are updated as sends are planned."""
         floor, reach = now + self.lead, now + self.reach
-        held: dict[str, int] = {}  # sends sent back per capped scope, for their wait
+        self._holds = {s: t for s, t in self._holds.items() if t > now}
         out: list[Planned] = []
         for send in sends:
             full = next((s for s, cap in send.caps if in_flight.get(s, 0) >= cap), None)
             if full is not None:
-                held[full] = held.get(full, 0) + 1
-                cap = dict(send.caps)[full]
-                out.append(Planned(wait_until=now + IN_FLIGHT_WAIT * (1 + (held[full] - 1) // cap)))
+                # a round of the scope's cap a second, after what it already sent back
+                step = IN_FLIGHT_WAIT / dict(send.caps)[full]
+                until = max(now + IN_FLIGHT_WAIT, self._holds.get(full, now) + step)
+                out.append(self._hold(full, until))
                 continue
             starts = {
                 scope: earliest_start(
@@ -336,7 +339,9 @@ class SendBudget:
             if start > reach:  # its own scope is at its rate: the next of that scope after it
                 scope = max(starts, key=lambda s: starts[s])
                 _append(booked[scope], _booking(start, send.recipients, rates[scope]))
-                out.append(Planned(wait_until=max(now, start - self.reach)))
+                step = timedelta(seconds=send.recipients / rates[scope])
+                until = max(now, start - self.reach, self._holds.get(scope, now) + step)
+                out.append(self._hold(scope, until))
                 continue
             bookings = tuple((s, _booking(start, send.recipients, rates[s])) for s in starts)
             for scope, booking in bookings:
@@ -350,6 +355,12 @@ class SendBudget:
                     booked[SHARED], 1, limit=self.rate, now=floor, span=self.span
                 )
         return out
+
+    def _hold(self, scope: str, until: datetime) -> Planned:
+        """A send ``scope`` sends back in line until ``until``, remembered: the next it sends
+        back, in this plan or a later one, comes after it (so each goes back about once)."""
+        self._holds[scope] = until
+        return Planned(wait_until=until, held_by=scope)
 
     def available(self) -> float:
         """How many sends the relay may claim now: none while its last look found the budget

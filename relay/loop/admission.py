@@ -34,7 +34,8 @@ _log = logging.getLogger("relay")
 _AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 
 Wave = list[tuple[Ready, Slot | None]]  # messages to start, each with its slot (None: now)
-Deferred = list[tuple[Ready, datetime]]  # messages back in line, each until when
+# messages back in line, each until when and the scope that sent it back
+Deferred = list[tuple[Ready, datetime, str | None]]
 
 
 class PauseFilter:
@@ -101,7 +102,7 @@ class BudgetFilter:
         deferred: Deferred = []
         for r, send, plan in zip(ready, sends, planned, strict=False):
             if plan.wait_until is not None:
-                deferred.append((r, plan.wait_until))
+                deferred.append((r, plan.wait_until, plan.held_by))
                 continue
             assert plan.start is not None
             for scope, booking in plan.bookings:

@@ -68,6 +68,7 @@ class Producer:
         self.ready: list[Ready] = []  # claimed, not yet started
         self.probe_found_nothing = False  # an account probe's claim found no due message
         self.deferred_until: datetime | None = None  # the latest a limit sent a claim back to
+        self.held_keys: dict[str, datetime] = {}  # keys at their limit -> claim them from then
 
     def claim_limit(self) -> tuple[int, bool]:
         """How many rows to claim now, and whether the claim is a paused relay's probe."""
@@ -118,13 +119,14 @@ class Producer:
                         limit=limit,
                         now=now,
                         lease_seconds=self.config.lease_seconds,
+                        skip_keys=self._held_keys(now),
                     )
                     self._accept(conn, claims, now, pending, invalid)
                     if due_before and len(claims) + len(expired) < limit:
                         due_before = self._control.unheld(conn, due_before, now)
                 wave, deferred = self.budget.admit(conn, pending)
                 admitted = len(wave)
-                taken = {id(r) for r, _ in wave} | {id(r) for r, _ in deferred}
+                taken = {id(r) for r, _ in wave} | {id(r) for r, _, _ in deferred}
                 self._defer(conn, deferred, now)
                 wave, barred = self.suppressions.screen(conn, wave, now)
                 barred_applied = completer.save(conn, barred, now)
@@ -223,20 +225,30 @@ class Producer:
                 "held: its sending is paused", extra={"action": "held", "message_id": claim.id}
             )
 
+    def _held_keys(self, now: datetime) -> list[str]:
+        """The keys whose due rows the claim leaves alone now (their limit holds them)."""
+        self.held_keys = {k: t for k, t in self.held_keys.items() if t > now}
+        return sorted(self.held_keys)
+
     def _defer(self, conn: sa.Connection, deferred: Deferred, now: datetime) -> None:
         """Send back in line, no attempt used, the claims their own key or identity holds back
         (its rate, its sends in flight), each until that scope has room."""
         if not deferred:
             return
         groups: dict[tuple[str, datetime], list[int]] = {}
-        for ready, until in deferred:
+        for ready, until, _ in deferred:
             groups.setdefault((ready.claim.claim_token, until), []).append(ready.claim.id)
         for (token, until), ids in groups.items():
             store.release_unsent(conn, ids=ids, claim_token=token, now=now, next_attempt_at=until)
-        for ready, until in deferred:
+        for ready, until, scope in deferred:
             if ready.probe is not None:  # nothing was sent: the scope is still unprobed
                 self.pauses.probe_lost(ready.probe)
             self.deferred_until = max(self.deferred_until or until, until)
+            key = ready.claim.fairness_key
+            if key is not None and scope == "key:" + key:
+                # its key's other due rows stay unclaimed until the first sent back is due:
+                # claiming them now would only send them back too, in place of other keys'
+                self.held_keys[key] = min(self.held_keys.get(key, until), until)
         _log.info(
             "%d claimed messages over their key's or identity's limit step back in line",
             len(deferred),

@@ -138,10 +138,14 @@ def _literal(status: Status) -> sa.ColumnElement[str]:
 _CLAIMABLE = _m.c.status.in_([_literal(s) for s in CLAIMABLE])
 
 
-def _due(status: Status) -> sa.Subquery:
+def _due(status: Status, skip: bool) -> sa.Subquery:
+    due = sa.and_(_m.c.status == _literal(status), _CLAIMABLE, _m.c.next_attempt_at <= _NOW)
+    if skip:  # the keys a limit holds (a key in the list: not claimed; no key: claimed)
+        held = _m.c.fairness_key.in_(sa.bindparam("c_skip", expanding=True))
+        due = sa.and_(due, sa.or_(_m.c.fairness_key.is_(None), sa.not_(held)))
     return (
         sa.select(_m.c.id, _m.c.priority, _m.c.fair_at)
-        .where(_m.c.status == _literal(status), _CLAIMABLE, _m.c.next_attempt_at <= _NOW)
+        .where(due)
         .order_by(_m.c.priority, _m.c.fair_at, _m.c.id)
         .limit(_LIMIT)
         .with_for_update(skip_locked=True)
@@ -158,9 +162,9 @@ class _ClaimStatements:
 
 
 @functools.cache
-def _claim_statements(lock_first: bool) -> _ClaimStatements:
+def _claim_statements(lock_first: bool, skip: bool) -> _ClaimStatements:
     """The claim's statements, built once (the values are bound parameters)."""
-    pending, retrying = _due(Status.PENDING), _due(Status.RETRYING)
+    pending, retrying = _due(Status.PENDING, skip), _due(Status.RETRYING, skip)
     merged = sa.union_all(sa.select(pending), sa.select(retrying)).subquery()
     pick = (
         sa.select(merged.c.id)
@@ -202,7 +206,13 @@ def _claim_statements(lock_first: bool) -> _ClaimStatements:
 
 
 def claim_batch(
-    conn: sa.Connection, *, relay_id: str, limit: int, now: datetime, lease_seconds: float
+    conn: sa.Connection,
+    *,
+    relay_id: str,
+    limit: int,
+    now: datetime,
+    lease_seconds: float,
+    skip_keys: Sequence[str] = (),
 ) -> tuple[list[Claim], list[Expired]]:
     """Take up to ``limit`` due messages under one fresh claim token and lease.
 
@@ -210,7 +220,8 @@ def claim_batch(
     order (``fair_at``, the row's turn, is never before it is due: keys are served in turn,
     see :mod:`outbox.fairness`), each status read as its own range of the claim index with
     ``FOR UPDATE SKIP LOCKED``. Rows past ``expires_at`` move to expired in the same
-    statement and come back apart: they are never sent.
+    statement and come back apart: they are never sent. Rows of ``skip_keys`` (keys at their
+    limit) are left alone.
     """
     token = str(uuid.uuid4())
     params: dict[str, Any] = {
@@ -220,7 +231,9 @@ def claim_batch(
         "c_relay": relay_id,
         "c_lease": now + timedelta(seconds=lease_seconds),
     }
-    statements = _claim_statements(conn.dialect.name in ("mysql", "mariadb"))
+    if skip_keys:
+        params["c_skip"] = list(skip_keys)
+    statements = _claim_statements(conn.dialect.name in ("mysql", "mariadb"), bool(skip_keys))
     if conn.dialect.name in ("mysql", "mariadb"):
         params["c_ids"] = list(conn.execute(statements.pick, params).scalars())
         if not params["c_ids"]:

@@ -6,9 +6,11 @@ back the others; keys take turns and priorities come first.
 
 from __future__ import annotations
 
+import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from outbox.schema import attempts, messages
 from tests.support.db import Backend
 from tests.support.relays import Relays, SesRelays, read_records
 from tests.support.ses import IDENTITY, FaultPlan, FaultServer, SendRequest
+from tests.support.waiting import wait_for
 
 QUIET = ("--poll-interval", "0.2", "--log-level", "WARNING")
 OB = Outbox()
@@ -178,3 +181,39 @@ def test_a_bad_limit_stops_the_relay_before_it_starts_naming_the_flag(backend, f
     output = proc.output()
     assert "Error: --key-limit: 'tenant-*=fast'" in output
     assert "Traceback" not in output
+
+
+def test_a_limited_keys_old_backlog_does_not_hold_back_other_keys(backend, fake_relays):
+    """``L`` (1/s) has 5,000 due messages written by an app not yet upgraded (the default
+    turn, first in line), ahead of every turn of ``b``'s 300. The relay sends L's claims back
+    a second apart and leaves L's other rows unclaimed until the first is due again, so b's
+    300 go at once (before: 120 of them in two minutes, while L's claims went back 100,000
+    times)."""
+    engine = backend.engine
+    enqueue(engine, "L", 5000)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.fairness_key == "L")
+            .values(fair_at=datetime(1970, 1, 1, tzinfo=UTC))
+        )
+    others = enqueue(engine, "b", 300)
+    proc = fake_relays.start("--key-limit", "L=1/s", *QUIET, latency=0.02)
+    started = time.monotonic()
+    wait_for(
+        lambda: set(others) <= set(fake_relays.deliveries()),
+        timeout=60,
+        what="b's 300 messages sent",
+        interval=0.1,
+    )
+    took = time.monotonic() - started
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.output()[-4000:]
+    keys = keys_by_id(engine)
+    sent_l = [i for i in fake_relays.deliveries() if keys[i] == "L"]
+    assert took < 10.0, f"b's 300 took {took:.1f}s behind L's backlog ({len(sent_l)} of L sent)"
+    with engine.connect() as conn:
+        attempts_of_l = conn.scalar(
+            sa.select(sa.func.sum(messages.c.attempt_count)).where(messages.c.fairness_key == "L")
+        )
+    assert attempts_of_l == len(sent_l)  # sent back in line: no attempt used

@@ -153,17 +153,33 @@ def test_a_send_waits_for_every_budget_it_belongs_to():
     assert dict(only.bookings).keys() == {SHARED, "key:a"}
 
 
-def test_a_key_at_its_sends_in_flight_waits_a_round_per_cap_of_sends_ahead():
+def test_a_key_at_its_sends_in_flight_sends_its_claims_back_a_cap_a_second():
     clock = Clock(T0)
     plan = budget(None, clock)
     capped = send(caps=(("key:a", 2),))
     planned = plan.plan_scoped({}, {"key:a": 1}, [capped] * 6, T0)
     assert planned[0].start == T0
     assert planned[0].bookings == ()  # no rate: nothing to book, a slot only
-    waits = [p.wait_until for p in planned[1:]]
-    assert waits == [T0 + IN_FLIGHT_WAIT] * 2 + [T0 + 2 * IN_FLIGHT_WAIT] * 2 + [
-        T0 + 3 * IN_FLIGHT_WAIT
+    assert [p.wait_until for p in planned[1:]] == [
+        T0 + IN_FLIGHT_WAIT * n for n in (1, 1.5, 2, 2.5, 3)
     ]
+    assert {p.held_by for p in planned[1:]} == {"key:a"}
+
+
+def test_what_a_scope_sent_back_in_one_plan_the_next_plan_sends_back_after_it():
+    """A key at 1/s whose claims keep coming: each plan's claims go back after the last one
+    sent back, a second apart, so each claim goes back about once, not every pass."""
+    clock = Clock(T0)
+    plan = budget(None, clock)
+    booked: dict[str, list[Booking]] = {}
+    first = plan.plan_scoped(booked, {}, [send(("key:a", 1.0))] * 3, T0)
+    assert first[0].start == T0
+    clock.advance(0.1)
+    second = plan.plan_scoped(booked, {}, [send(("key:a", 1.0))] * 2, clock.now)
+    waits = [p.wait_until for p in (*first[1:], *second)]
+    assert all(w is not None for w in waits)
+    assert waits == sorted(waits)
+    assert [round((w - waits[0]).total_seconds(), 3) for w in waits] == [0, 1, 2, 3]
 
 
 @settings(max_examples=60, deadline=None)
