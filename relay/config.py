@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import socket
@@ -114,6 +115,7 @@ class RelayConfig:
                 item if isinstance(item, ScopeLimit) else parse_limit(_text(item, flag), kind, flag)
                 for item in given
             )
+            _check_order(parsed, flag)
             object.__setattr__(self, name, parsed)
 
     @property
@@ -128,6 +130,20 @@ class RelayConfig:
     @property
     def heartbeat_interval(self) -> float:
         return min(10.0, self.lease_seconds / 4)
+
+
+def _check_order(limits: tuple[ScopeLimit, ...], flag: str) -> None:
+    """The first matching limit wins, so a limit an earlier one covers would never apply:
+    refused, rather than silently dropped (two flags for one pattern, or ``*`` first)."""
+    for i, later in enumerate(limits):
+        for earlier in limits[:i]:
+            if fnmatch.fnmatchcase(later.pattern, earlier.pattern):
+                raise ConfigurationError(
+                    flag,
+                    f"'{later}' never applies: '{earlier}' comes first and matches every "
+                    f"{later.kind} it matches (the first match wins; give one {flag} per "
+                    "pattern, both limits comma-separated, narrower patterns first)",
+                )
 
 
 def _text(value: object, flag: str) -> str:

@@ -54,6 +54,8 @@ def parse_limit(text: str, kind: str, flag: str) -> ScopeLimit:
     form = "expected PATTERN=RATE/s, PATTERN=inflight:N or PATTERN=RATE/s,inflight:N"
     if not sep or not pattern.strip() or not spec:
         raise ConfigurationError(flag, f"{text!r}: {form}")
+    if "=" in pattern:  # 'x=5/s=3/s' would be the pattern 'x=5/s'
+        raise ConfigurationError(flag, f"{text!r}: one '=' only; {form}")
     rate: float | None = None
     in_flight: int | None = None
     for item in spec.split(","):

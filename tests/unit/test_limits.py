@@ -43,11 +43,7 @@ def budget(total: float | None, clock: Clock) -> SendBudget:
     [
         ("tenant-*=5/s", "key", ScopeLimit(kind="key", pattern="tenant-*", rate=5.0)),
         ("a=inflight:3", "key", ScopeLimit(kind="key", pattern="a", in_flight=3)),
-        (
-            "a=b=0.5/s, inflight:2",
-            "key",
-            ScopeLimit(kind="key", pattern="a=b", rate=0.5, in_flight=2),
-        ),
+        ("a=0.5/s, inflight:2", "key", ScopeLimit(kind="key", pattern="a", rate=0.5, in_flight=2)),
         (
             "Example.COM=10/s",
             "identity",
@@ -73,6 +69,7 @@ def test_a_limit_reads_its_pattern_rate_and_sends_in_flight(text, kind, expected
         ("a=5/s,6/s", "'6/s' is not understood"),
         ("a=inflight:1,inflight:2", "'inflight:2' is not understood"),
         ("a=-1/s", "'-1/s' is not understood"),
+        ("x=5/s=3/s", "one '=' only"),
     ],
 )
 def test_a_bad_limit_names_its_flag_and_what_is_wrong(text, says):
@@ -80,6 +77,22 @@ def test_a_bad_limit_names_its_flag_and_what_is_wrong(text, says):
         RelayConfig(database_url="sqlite://", key_limits=(text,))
     assert raised.value.setting == "--key-limit"
     assert says in raised.value.reason
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [("tenant-*=5/s", "tenant-*=inflight:2"), ("*=100/s", "vip-*=5/s"), ("t-*=1/s", "t-1=9/s")],
+)
+def test_a_limit_an_earlier_one_covers_is_refused_not_dropped(first, then):
+    with pytest.raises(ConfigurationError) as raised:
+        RelayConfig(database_url="sqlite://", key_limits=(first, then))
+    assert raised.value.setting == "--key-limit"
+    assert f"'{then}' never applies" in raised.value.reason
+
+
+def test_narrower_patterns_first_are_each_kept():
+    config = RelayConfig(database_url="sqlite://", key_limits=("vip-*=5/s", "*=100/s"))
+    assert [limit.pattern for limit in config.limits] == ["vip-*", "*"]
 
 
 def test_one_limit_given_as_text_is_one_limit_not_its_characters():
