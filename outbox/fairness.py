@@ -60,6 +60,9 @@ _TAIL = (
 )
 
 
+_TAKE_WRITE_LOCK = sa.update(_m).where(sa.false()).values(id=_m.c.id)
+
+
 def check_fairness_key(value: object, field: str = "fairness_key") -> str | None:
     """``value`` if it is a usable key (None: no key); else InvalidArgument naming ``field``."""
     if value is None:
@@ -137,6 +140,10 @@ def assign_turns(
         if (key := row.get("fairness_key")) is not None:
             line = (key, row["priority"])
             lines[line] = max(lines.get(line, row["next_attempt_at"]), row["next_attempt_at"])
+    if lines and conn.dialect.name == "sqlite":
+        # take the write lock before reading: a transaction that read first cannot wait for
+        # another writer's lock, SQLite refuses it at once ("database is locked")
+        conn.execute(_TAKE_WRITE_LOCK)
     tails: dict[tuple[str, int], datetime | None] = {
         (key, priority): conn.execute(
             _TAIL, {"key": key, "priority": priority, "due": due}

@@ -8,17 +8,21 @@ T0 (``not_before``), and each claim runs at a time built here.
 from __future__ import annotations
 
 import functools
+import sqlite3
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from outbox import Category, Outbox
+from outbox import Category, Outbox, migrations
 from outbox.enqueue import build_row
 from outbox.exceptions import ConfigurationError, InvalidArgument
 from outbox.fairness import STRIDE, from_domain
 from outbox.schema import messages
+from outbox.sqlite import enable_savepoints
 from outbox.testing import enqueued_messages
 from relay import store
 from relay.policy import Action, Decision
@@ -252,3 +256,35 @@ def test_a_batch_rerun_gives_its_new_rows_the_turns_its_duplicates_would_have_ha
         )
     assert [r.duplicate for r in again] == [True] * 5 + [False]
     assert fair_at(engine, [again[-1].id]) == [T0 + 5 * STRIDE]
+
+
+def test_a_keyed_enqueue_on_sqlite_waits_for_another_writer_instead_of_failing(tmp_path):
+    """The turn is read before the row is written; on SQLite a transaction that read a table
+    first cannot wait for another writer's lock (it fails at once, "database is locked"), so
+    the enqueue takes the write lock before it reads, and waits as an unkeyed one does."""
+    path = tmp_path / "app.db"
+    engine = sa.create_engine(f"sqlite:///{path}")
+    enable_savepoints(engine)
+    migrations.upgrade(engine)
+    enqueue(engine, fairness_key="tenant-42")  # the key has a line
+    locked, released = threading.Event(), threading.Event()
+
+    def relay_pass() -> None:  # another process's write transaction, held a moment
+        other = sqlite3.connect(path, isolation_level=None, timeout=5)
+        other.execute("BEGIN IMMEDIATE")
+        locked.set()
+        released.wait(5)
+        time.sleep(0.2)
+        other.execute("COMMIT")
+        other.close()
+
+    writer = threading.Thread(target=relay_pass)
+    with Session(engine) as session, session.begin():
+        session.execute(sa.text("SELECT 1")).all()  # the transaction is open, nothing read
+        writer.start()
+        assert locked.wait(5)
+        released.set()
+        result = OB.enqueue(session, email(1), fairness_key="tenant-42", not_before=T0)
+    writer.join()
+    assert fair_at(engine, [result.id]) == [T0 + STRIDE]
+    engine.dispose()
