@@ -1,4 +1,4 @@
-"""The five benchmarks. Each returns result rows: a value, the baseline measured in the same
+"""The six benchmarks. Each returns result rows: a value, the baseline measured in the same
 run, their ratio and whether its target (docs/design.md, "Performance targets") is met (None
 where no target applies). On PostgreSQL the drain also runs the peer, pgqueuer (``bench.pgq``,
 the ``bench`` extra), on the same database with the same message count."""
@@ -10,6 +10,7 @@ import math
 import os
 import random
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,8 @@ class Sizes:
     backlog_small: int
     backlog_due: int
     backlog_done: int
+    fair_backlog: int  # key A's messages in the fairness benchmark
+    fair_rate: float  # its shared send limit, recipients/s (not scaled)
 
     @classmethod
     def make(cls, *, quick: bool, big: bool, scale: float) -> Sizes:
@@ -76,6 +79,7 @@ class Sizes:
                 backlog_small=2000,
                 backlog_due=20_000,
                 backlog_done=50_000,
+                fair_backlog=2000,
             )
         else:
             base = dict(
@@ -86,10 +90,13 @@ class Sizes:
                 backlog_small=10_000,
                 backlog_due=100_000,
                 backlog_done=500_000,
+                fair_backlog=50_000,
             )
         if big:
             base.update(backlog_small=10_000, backlog_due=1_000_000, backlog_done=5_000_000)
-        return cls(**{k: max(10, int(v * scale)) for k, v in base.items()})
+        # quick: a small backlog at a higher limit, so the fairness runs take seconds
+        fair_rate = 1000.0 if quick else 500.0
+        return cls(**{k: max(10, int(v * scale)) for k, v in base.items()}, fair_rate=fair_rate)
 
 
 # A relay claims only as many rows as it has free send slots (never a backlog to sit on).
@@ -918,10 +925,290 @@ def backlog(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
     return results
 
 
+# -- 6. fair sending ------------------------------------------------------------------------
+
+
+BIG_KEY = "A"
+SMALL_KEYS = tuple("BCDEFGHIJK")
+SMALL = "B..K"
+PER_SMALL_KEY = 10  # messages each small key enqueues, in one transaction
+FAIR_CHUNK = 1000  # A's messages per transaction (one enqueue_many each)
+FAIR_DELAY = 2.0  # seconds into the drain when the small keys enqueue (less for a small backlog)
+FAIR_BOUND = 2.0  # every small key's message sent within this many seconds of its enqueue
+FAIR_THROUGHPUT = 0.90  # the drain with keys against the same drain without
+FAIR_CONCURRENCY = 64  # send slots per relay, as in the rate benchmark
+FAIR_BATCH = 50
+
+
+def _app_engine(engine: sa.Engine) -> sa.Engine:
+    """The app's own plain engine. On SQLite each transaction begins IMMEDIATE, taking the
+    write lock up front: a keyed enqueue reads its key's last turn before it writes, and SQLite
+    refuses at once (no busy wait) a read transaction's upgrade while a relay writes."""
+    app = sa.create_engine(engine.url)
+    if app.dialect.name == "sqlite":
+
+        @event.listens_for(app, "connect")
+        def _no_driver_begin(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.isolation_level = None
+
+        @event.listens_for(app, "begin")
+        def _begin_immediate(conn: sa.Connection) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return app
+
+
+def _fair_enqueue(
+    app: sa.Engine, outbox: Outbox, key: str, n: int, *, keyed: bool
+) -> tuple[list[int], float]:
+    """Enqueue ``n`` benchmark emails for ``key`` as an app does, FAIR_CHUNK to a transaction,
+    with ``key`` as their fairness key when ``keyed`` (else none); their ids, and the
+    monotonic time the last transaction committed."""
+    ids: list[int] = []
+    committed = time.monotonic()
+    for start in range(0, n, FAIR_CHUNK):
+        with Session(app) as session, session.begin():
+            results = outbox.enqueue_many(
+                session,
+                [EMAIL] * min(FAIR_CHUNK, n - start),
+                fairness_key=key if keyed else None,
+            )
+        committed = time.monotonic()
+        ids.extend(r.id for r in results)
+    return ids, committed
+
+
+Relays = list[tuple[subprocess.Popen[bytes], Path]]  # each relay process and its log file
+
+
+def _start_relays(engine: sa.Engine, count: int, rate: float, logs: Path) -> Relays:
+    """``count`` ``outbox-relay run`` processes sharing the send limit ``rate``; no
+    ``--exit-when-idle``: the small keys enqueue into a drain already under way."""
+    cli = Path(sys.executable).with_name("outbox-relay")
+    command = [
+        str(cli), "run", "--database-url", url_string(engine),
+        "--sender", "bench.senders:accepting_sender", "--concurrency", str(FAIR_CONCURRENCY),
+        "--batch-size", str(FAIR_BATCH), "--poll-interval", "0.1",
+        "--max-send-rate", f"{rate:g}", "--log-level", "warning",
+    ]  # fmt: skip
+    relays: Relays = []
+    for i in range(count):
+        log = logs / f"relay-{i}.log"
+        with log.open("wb") as err:
+            proc = subprocess.Popen(
+                command, env=_child_env(), stdout=subprocess.DEVNULL, stderr=err
+            )
+        relays.append((proc, log))
+    return relays
+
+
+def _stop_relays(relays: Relays) -> list[str]:
+    """SIGTERM each relay (nothing is in flight by then) and wait for it; what those that
+    failed wrote."""
+    for proc, _log in relays:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    errors = []
+    for proc, log in relays:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode:
+            errors.append(f"exit {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
+    return errors
+
+
+def _sent_at_least(engine: sa.Engine, n: int, relays: Relays) -> bool:
+    if any(proc.poll() is not None for proc, _log in relays):
+        raise RuntimeError("a relay process exited during the drain")
+    return count(engine, Status.SENT.value) >= n
+
+
+def _wait_until(test: Callable[[], bool], *, timeout: float, interval: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not test():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(interval)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    """p50, p99 and max of ``values``, to the millisecond."""
+    p99 = statistics.quantiles(values, n=100, method="inclusive")[98] if values[1:] else values[0]
+    return {
+        "p50": round(statistics.median(values), 3),
+        "p99": round(p99, 3),
+        "max": round(max(values), 3),
+    }
+
+
+def _fair_run(engine: sa.Engine, sizes: Sizes, *, relays: int, keyed: bool) -> dict[str, Any]:
+    """One drain: A's backlog committed, ``relays`` relay processes started, each small key's
+    messages enqueued (a transaction per key) ``FAIR_DELAY`` seconds after the first send (a
+    quarter of A's drain if that is less), until every message is sent. Latency: a row's
+    ``sent_at`` (the relay saved the send as done) minus its ``created_at`` (enqueue)."""
+    reset(engine)
+    app = _app_engine(engine)
+    outbox = Outbox()
+    total = sizes.fair_backlog + len(SMALL_KEYS) * PER_SMALL_KEY
+    delay = min(FAIR_DELAY, sizes.fair_backlog / sizes.fair_rate / 4)
+    ids: dict[str, list[int]] = {}
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        ids[BIG_KEY], _ = _fair_enqueue(app, outbox, BIG_KEY, sizes.fair_backlog, keyed=keyed)
+        analyze(engine)  # as autovacuum would after a bulk load: the claim's plan
+        with tempfile.TemporaryDirectory(prefix="outbox-bench-fair-") as logs:
+            procs = _start_relays(engine, relays, sizes.fair_rate, Path(logs))
+            try:
+                _wait_until(
+                    lambda: _sent_at_least(engine, 1, procs),
+                    timeout=60,
+                    interval=0.05,
+                    what="the first send",
+                )
+                time.sleep(delay)
+                unclaimed = count(engine, Status.PENDING.value)  # A's, not yet claimed
+                began = time.monotonic()
+                for key in SMALL_KEYS:
+                    ids[key], committed = _fair_enqueue(
+                        app, outbox, key, PER_SMALL_KEY, keyed=keyed
+                    )
+                enqueue_seconds = committed - began
+                _wait_until(
+                    lambda: _sent_at_least(engine, total, procs),
+                    timeout=3 * total / sizes.fair_rate + 60,
+                    interval=0.25,
+                    what=f"all {total} messages sent",
+                )
+            finally:
+                errors = _stop_relays(procs)
+                if errors:
+                    raise RuntimeError("relay process failed: " + "\n".join(errors))
+    finally:
+        app.dispose()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
+
+    with engine.connect() as conn:
+        rows = {
+            row.id: row
+            for row in conn.execute(
+                sa.select(m.c.id, m.c.created_at, m.c.claimed_at, m.c.send_started_at, m.c.sent_at)
+            )
+        }
+
+    def seconds(ids_: list[int], since: str, until: str) -> list[float]:
+        return [(getattr(rows[i], until) - getattr(rows[i], since)).total_seconds() for i in ids_]
+
+    small = [i for key in SMALL_KEYS for i in ids[key]]
+    last_small = max(rows[i].sent_at for i in small)
+    first = min(row.claimed_at for row in rows.values())
+    last = max(row.sent_at for row in rows.values())
+    return {
+        "keys": keyed,
+        "relays": relays,
+        BIG_KEY: _spread(seconds(ids[BIG_KEY], "created_at", "sent_at")),
+        SMALL: _spread(seconds(small, "created_at", "sent_at")),
+        "per_key": {k: _spread(seconds(ids[k], "created_at", "sent_at")) for k in SMALL_KEYS},
+        # where a small key's message waits: for its claim, claimed before its wave is
+        # marked (the relay's ready list, the budget), marked until saved as sent
+        f"{SMALL}_parts": {
+            "enqueue_to_claim": _spread(seconds(small, "created_at", "claimed_at")),
+            "claim_to_mark": _spread(seconds(small, "claimed_at", "send_started_at")),
+            "mark_to_sent": _spread(seconds(small, "send_started_at", "sent_at")),
+        },
+        f"{BIG_KEY}_sent_by_last_{SMALL}": round(
+            sum(rows[i].sent_at <= last_small for i in ids[BIG_KEY]) / len(ids[BIG_KEY]), 4
+        ),
+        f"{BIG_KEY}_unclaimed_when_{SMALL}_enqueued": unclaimed,
+        f"{SMALL}_enqueued_seconds_after_first_send": delay,
+        f"{SMALL}_enqueue_seconds": round(enqueue_seconds, 3),
+        "msg_per_s": round(total / (last - first).total_seconds(), 1),
+        "relay_cpu_seconds_per_1000": round(cpu / total * 1000, 4),
+    }
+
+
+def fairness(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    """Key A's backlog, then ten small keys' ten messages each, drained under one shared send
+    limit by one relay process and by three; each against the same run with no fairness
+    key at all (the small keys' messages then queue behind A's)."""
+    results = []
+    for relays in (1, 3):
+        label = f"{relays} relay{'s' if relays > 1 else ''}"
+        keyed = _fair_run(engine, sizes, relays=relays, keyed=True)
+        plain = _fair_run(engine, sizes, relays=relays, keyed=False)
+        for run in (keyed, plain):
+            print(
+                f"#   {label}, {'keys' if run['keys'] else 'no keys'}: {SMALL} "
+                + "/".join(f"{run[SMALL][q]:.3f}" for q in ("p50", "p99", "max"))
+                + f" s, {BIG_KEY} "
+                + "/".join(f"{run[BIG_KEY][q]:.1f}" for q in ("p50", "p99", "max"))
+                + f" s (p50/p99/max), {run['msg_per_s']:.1f} msg/s",
+                file=sys.stderr,
+                flush=True,
+            )
+        setup = {
+            "messages": {BIG_KEY: sizes.fair_backlog, SMALL: len(SMALL_KEYS) * PER_SMALL_KEY},
+            "send_limit": sizes.fair_rate,
+            "relays": relays,
+            "concurrency": FAIR_CONCURRENCY,
+            "batch_size": FAIR_BATCH,
+            "latency": "sent_at - created_at",
+        }
+        small, plain_small = keyed[SMALL], plain[SMALL]
+        ratio = keyed["msg_per_s"] / plain["msg_per_s"]
+        results += [
+            Result(
+                benchmark=f"fair {SMALL} max latency, {label}",
+                database=db,
+                value=small["max"],
+                baseline=FAIR_BOUND,
+                unit="s",
+                ratio=small["max"] / FAIR_BOUND,
+                target=f"<= {FAIR_BOUND:g} s",
+                met=small["max"] <= FAIR_BOUND,
+                details={**setup, "keys": keyed, "no_keys": plain},
+            ),
+            Result(
+                benchmark=f"fair {SMALL} p99 latency, {label}",
+                database=db,
+                value=small["p99"],
+                baseline=plain_small["p99"],
+                unit="s",
+                ratio=small["p99"] / plain_small["p99"],
+                target="(reported: vs no keys)",
+                met=None,
+                details={"p50": small["p50"], "no_keys_p50": plain_small["p50"]},
+            ),
+            Result(
+                benchmark=f"fair throughput, {label}",
+                database=db,
+                value=keyed["msg_per_s"],
+                baseline=plain["msg_per_s"],
+                unit="msg/s",
+                ratio=ratio,
+                target=f">= {FAIR_THROUGHPUT:.2f} of no keys",
+                met=ratio >= FAIR_THROUGHPUT,
+                details={
+                    "send_limit": sizes.fair_rate,
+                    "span": "first claim to last sent_at, from the rows",
+                    "relay_cpu_seconds_per_1000": {
+                        "keys": keyed["relay_cpu_seconds_per_1000"],
+                        "no_keys": plain["relay_cpu_seconds_per_1000"],
+                    },
+                },
+            ),
+        ]
+    return results
+
+
 CASES = {
     "drain": drain,
     "rate": rate,
     "enqueue": enqueue,
     "latency": latency,
     "backlog": backlog,
+    "fairness": fairness,
 }

@@ -72,7 +72,8 @@ def _ensure_database(url: sa.URL) -> None:
         finally:
             server.dispose()
     elif backend in ("mysql", "mariadb"):
-        server = sa.create_engine(url.set(database=None))
+        # URL.set ignores None: a URL naming no database, to create it in
+        server = sa.create_engine(url._replace(database=None))
         try:
             with server.begin() as conn:
                 conn.execute(sa.text(f"CREATE DATABASE IF NOT EXISTS `{url.database}`"))

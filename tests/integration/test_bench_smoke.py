@@ -1,7 +1,8 @@
 """Smoke test of the benchmark runner (``python -m bench``): it completes at a tiny scale,
-prints its table and writes JSON with a ratio per benchmark, for all five benchmarks, with
-the drain's database cost and CPU rows and, on PostgreSQL, the peer pgqueuer's. No speed is
-asserted here."""
+prints its table and writes JSON with a ratio per benchmark, for the first five benchmarks,
+with the drain's database cost and CPU rows and, on PostgreSQL, the peer pgqueuer's; and the
+fairness benchmark at its quick size, which must show the small keys served before the big
+backlog. No speed is asserted here."""
 
 import json
 import os
@@ -15,25 +16,32 @@ import sqlalchemy as sa
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("backend_name", ["sqlite", "postgresql"])
-def test_bench_runs_and_reports_a_ratio_per_benchmark(backend_name, request, tmp_path):
+def _bench_url(backend_name, request, tmp_path):
     if backend_name == "sqlite":
-        url = f"sqlite:///{tmp_path}/bench.db"
-    else:
-        # a database of its own next to the test database: the benchmark drops its tables
-        server = sa.make_url(request.getfixturevalue("_backends")["postgresql"].url)
-        url = server.set(database=f"{server.database}_bench").render_as_string(hide_password=False)
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench", "--quick", "--scale", "0.02",
-            "--database-url", url, "--json", str(out),
-        ],
+        return f"sqlite:///{tmp_path}/bench.db"
+    # a database of its own next to the test database: the benchmark drops its tables
+    server = sa.make_url(request.getfixturevalue("_backends")[backend_name].url)
+    return server.set(database=f"{server.database}_bench").render_as_string(hide_password=False)
+
+
+def _run_bench(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=300,
+    )
+
+
+@pytest.mark.parametrize("backend_name", ["sqlite", "postgresql"])
+def test_bench_runs_and_reports_a_ratio_per_benchmark(backend_name, request, tmp_path):
+    url = _bench_url(backend_name, request, tmp_path)
+    out = tmp_path / "bench.json"
+    proc = _run_bench(
+        "--quick", "--scale", "0.02", "--only", "drain,rate,enqueue,latency,backlog",
+        "--database-url", url, "--json", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header = proc.stdout.splitlines()[0]
@@ -79,3 +87,33 @@ def test_bench_runs_and_reports_a_ratio_per_benchmark(backend_name, request, tmp
         assert result["ratio"] > 0
         assert result["baseline"] > 0
         assert result["benchmark"] in proc.stdout
+
+
+@pytest.mark.parametrize("backend_name", ["sqlite", "postgresql", "mysql"])
+def test_fairness_bench_sends_the_small_keys_before_the_big_backlog(
+    backend_name, request, tmp_path
+):
+    """2,000 messages of key A, then 10 x 10 of keys B..K, at 1,000 recipients/s, by one relay
+    and by three: with keys every B..K message is sent before 90% of A's are; without keys
+    (the same run's control) they wait behind most of A's."""
+    out = tmp_path / "bench.json"
+    url = _bench_url(backend_name, request, tmp_path)
+    proc = _run_bench("--quick", "--only", "fairness", "--database-url", url, "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    results = {r["benchmark"]: r for r in report["results"]}
+    for label in ("1 relay", "3 relays"):
+        assert {
+            f"fair B..K max latency, {label}",
+            f"fair B..K p99 latency, {label}",
+            f"fair throughput, {label}",
+        } <= results.keys()
+        runs = results[f"fair B..K max latency, {label}"]["details"]
+        keyed, plain = runs["keys"], runs["no_keys"]
+        assert set(keyed["per_key"]) == set("BCDEFGHIJK")
+        assert keyed["A_unclaimed_when_B..K_enqueued"] > 400, keyed  # A's backlog was there
+        assert keyed["A_sent_by_last_B..K"] < 0.9, keyed
+        assert keyed["B..K"]["max"] < keyed["A"]["max"] / 2, keyed
+        assert plain["A_sent_by_last_B..K"] > 0.75, plain
+        assert results[f"fair throughput, {label}"]["value"] > 0
