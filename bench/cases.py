@@ -32,6 +32,7 @@ from bench.db import EMAIL, ORDERS, analyze, base_payload, count, fill, reset, u
 from bench.senders import AcceptingSender
 from outbox import Outbox
 from outbox.schema import Status, messages, utcnow
+from outbox.sqlite import enable_savepoints
 from relay import store
 from relay.config import RelayConfig
 from relay.wakeup import Listener
@@ -941,20 +942,9 @@ FAIR_BATCH = 50
 
 
 def _app_engine(engine: sa.Engine) -> sa.Engine:
-    """The app's own plain engine. On SQLite each transaction begins IMMEDIATE, taking the
-    write lock up front: a keyed enqueue reads its key's last turn before it writes, and SQLite
-    refuses at once (no busy wait) a read transaction's upgrade while a relay writes."""
+    """The app's own plain engine, with savepoints working on SQLite as the docs say."""
     app = sa.create_engine(engine.url)
-    if app.dialect.name == "sqlite":
-
-        @event.listens_for(app, "connect")
-        def _no_driver_begin(dbapi_connection: Any, _record: Any) -> None:
-            dbapi_connection.isolation_level = None
-
-        @event.listens_for(app, "begin")
-        def _begin_immediate(conn: sa.Connection) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
+    enable_savepoints(app)
     return app
 
 

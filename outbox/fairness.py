@@ -24,7 +24,6 @@ from outbox.schema import Status, messages
 __all__ = [
     "MAX_FAIRNESS_KEY_LENGTH",
     "STRIDE",
-    "FairnessKey",
     "Weights",
     "assign_turns",
     "check_fairness_key",
@@ -37,7 +36,6 @@ MAX_FAIRNESS_KEY_LENGTH = 255
 STRIDE = timedelta(seconds=1)
 _WEIGHT_RANGE = (0.001, 1000.0)
 
-FairnessKey = str | Callable[[Any], "str | None"]  # a category's: a key, or one from the email
 
 _m = messages
 # The latest turn in a key's line at one priority: its pending rows already due by the new
@@ -125,13 +123,13 @@ def assign_turns(
     rows: Sequence[dict[str, Any]],
     weights: Weights,
     *,
-    skip: Collection[str] = frozenset(),
+    existing: Callable[[list[str]], Collection[str]] = lambda keys: (),
 ) -> None:
     """Set ``fair_at`` on the keyed ``rows`` (in place, in order): a stride after the latest
     turn in their key's line at their priority that ``conn`` sees (this batch's included),
     and never before the row is due. One query per key and priority of the batch; none when
-    no row has a key. Rows whose idempotency key is in ``skip`` (duplicates: not written)
-    take no turn.
+    no row has a key. A row whose idempotency key ``existing`` finds (a duplicate: not
+    written) takes no turn; it is asked only when more than one row has a key.
 
     Two transactions enqueueing for one key at once do not see each other's rows, so their
     messages may share turns: the key then goes faster by that many, never slower."""
@@ -140,10 +138,14 @@ def assign_turns(
         if (key := row.get("fairness_key")) is not None:
             line = (key, row["priority"])
             lines[line] = max(lines.get(line, row["next_attempt_at"]), row["next_attempt_at"])
-    if lines and conn.dialect.name == "sqlite":
-        # take the write lock before reading: a transaction that read first cannot wait for
-        # another writer's lock, SQLite refuses it at once ("database is locked")
+    if not lines:
+        return
+    if conn.dialect.name == "sqlite":
+        # take the write lock before reading: a transaction that read a table first cannot
+        # wait for another writer's lock, SQLite refuses it at once ("database is locked")
         conn.execute(_TAKE_WRITE_LOCK)
+    keyed = [row["idempotency_key"] for row in rows if row.get("fairness_key") is not None]
+    skip = set(existing(keyed)) if len(keyed) > 1 else set()
     tails: dict[tuple[str, int], datetime | None] = {
         (key, priority): conn.execute(
             _TAIL, {"key": key, "priority": priority, "due": due}

@@ -210,10 +210,9 @@ def _write(
             fresh.append(entry)
     rows = [e.row for e in fresh]
     if fresh:
-        keyed = [r["idempotency_key"] for r in rows if r["fairness_key"] is not None]
-        # a duplicate is not written: the rows after it take its turn (one lookup, by key)
-        skip = existing_ids(conn, keyed) if len(keyed) > 1 else {}
-        assign_turns(conn, rows, fresh[0].outbox.weights, skip=skip.keys())
+        assign_turns(
+            conn, rows, fresh[0].outbox.weights, existing=lambda keys: existing_ids(conn, keys)
+        )
     with tracing.creating(rows) as created:
         written = insert_messages(
             conn,
