@@ -48,6 +48,9 @@ _TAIL = (
         _m.c.fairness_key == sa.bindparam("key", type_=_m.c.fairness_key.type),
         _m.c.status == sa.literal_column(f"'{Status.PENDING.value}'"),
         _m.c.priority == sa.bindparam("priority", type_=_m.c.priority.type),
+        # an earlier turn would not move the new row's (its due time comes later): the scan
+        # stops there, even where the index holds the key's sent rows too (MariaDB)
+        _m.c.fair_at > sa.bindparam("floor", type_=_m.c.fair_at.type),
         sa.or_(
             _m.c.fair_at > _m.c.next_attempt_at,
             _m.c.next_attempt_at <= sa.bindparam("due", type_=_m.c.next_attempt_at.type),
@@ -148,7 +151,8 @@ def assign_turns(
     skip = set(existing(keyed)) if len(keyed) > 1 else set()
     tails: dict[tuple[str, int], datetime | None] = {
         (key, priority): conn.execute(
-            _TAIL, {"key": key, "priority": priority, "due": due}
+            _TAIL,
+            {"key": key, "priority": priority, "due": due, "floor": due - weights.stride(key)},
         ).scalar()
         for (key, priority), due in lines.items()
     }
