@@ -315,10 +315,12 @@ sa.Index(
     sqlite_where=sa.text(_in("status", CLAIMABLE)),
 )
 # Enqueue reads the last turn in a key's line at a priority (outbox/fairness.py), backwards.
-# No status column: a claim or a send changes no entry (where the index is not partial).
+# The status is a column for MariaDB, which has no partial index: without it a key's line
+# would be read among its sent rows (whose turns may lie hours ahead after a fast drain).
 sa.Index(
     "ix_outbox_messages_fairness",
     messages.c.fairness_key,
+    messages.c.status,
     messages.c.priority,
     messages.c.fair_at,
     messages.c.next_attempt_at,

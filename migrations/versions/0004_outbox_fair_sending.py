@@ -65,7 +65,7 @@ def upgrade() -> None:
     op.create_index(
         op.f("ix_outbox_messages_fairness"),
         "outbox_messages",
-        ["fairness_key", "priority", "fair_at", "next_attempt_at"],
+        ["fairness_key", "status", "priority", "fair_at", "next_attempt_at"],
         postgresql_where=sa.text(keyed),
         sqlite_where=sa.text(keyed),
     )
