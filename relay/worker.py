@@ -331,9 +331,10 @@ class Relay:
         # paused: idle once a probe found nothing due (a paused scope's held messages are
         # not due; they wait for a later run)
         busy = busy or (self.pauses.account_paused and not self.producer.probe_found_nothing)
-        # a message its key's or identity's limit sent back in line is due again shortly
-        deferred = self.producer.deferred_until
-        busy = busy or (deferred is not None and self.clock() < deferred)
+        # a message its key's or identity's limit sent back in line is due again shortly: idle
+        # only once a claim made at or after that time found nothing more to send back
+        deferred, looked = self.producer.deferred_until, self.producer.claimed_at
+        busy = busy or (deferred is not None and (looked is None or looked < deferred))
         return not busy and self.limiter.available() >= 1
 
     def _wait(self) -> None:

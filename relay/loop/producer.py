@@ -69,6 +69,7 @@ class Producer:
         self.probe_found_nothing = False  # an account probe's claim found no due message
         self.deferred_until: datetime | None = None  # the latest a limit sent a claim back to
         self.held_keys: dict[str, datetime] = {}  # keys at their limit -> claim them from then
+        self.claimed_at: datetime | None = None  # the time of the last claim that committed
 
     def claim_limit(self) -> tuple[int, bool]:
         """How many rows to claim now, and whether the claim is a paused relay's probe."""
@@ -158,6 +159,8 @@ class Producer:
                     count=len(claims),
                     expired=len(expired),
                 )
+        if limit > 0:
+            self.claimed_at = now
         del completer.unsaved[: len(batch)]
         completer.unsaved.extend(invalid)
         # only once the marks committed: what was admitted or sent back leaves the queue

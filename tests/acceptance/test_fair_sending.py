@@ -217,3 +217,63 @@ def test_a_limited_keys_old_backlog_does_not_hold_back_other_keys(backend, fake_
             sa.select(sa.func.sum(messages.c.attempt_count)).where(messages.c.fairness_key == "L")
         )
     assert attempts_of_l == len(sent_l)  # sent back in line: no attempt used
+
+
+def test_a_relay_killed_holding_a_keys_only_send_slot_frees_it_when_its_lease_is_swept(
+    backend, fake_relays
+):
+    """``K`` may have one send in flight. A relay is SIGKILLed in the middle of K's first
+    send; another relay keeps K's other three back while that slot counts, then, once the
+    dead relay's lease is swept (the send had started: unknown_outcome), sends them one at a
+    time. Nothing is sent twice, nothing stays behind."""
+    engine = backend.engine
+    first, *rest = enqueue(engine, "K", 4)
+    flags = (
+        "--key-limit",
+        "K=inflight:1",
+        "--concurrency",
+        "1",
+        "--lease-seconds",
+        "4",
+        "--send-timeout",
+        "1",
+        "--drain-seconds",
+        "1",
+        *QUIET,
+    )
+    victim = fake_relays.start(*flags, latency=30.0)
+
+    def mid_send() -> bool:
+        with engine.connect() as conn:
+            return bool(
+                conn.scalar(
+                    sa.select(sa.func.count())
+                    .select_from(messages)
+                    .where(
+                        messages.c.status == "processing", messages.c.send_started_at.is_not(None)
+                    )
+                )
+            )
+
+    wait_for(mid_send, timeout=30, what="the victim's first send in flight", interval=0.05)
+    victim.popen.send_signal(signal.SIGKILL)
+    assert victim.wait(10) == -signal.SIGKILL
+    heir = fake_relays.start("--exit-when-idle", *flags)
+    run_all([heir], 90)
+    with engine.connect() as conn:
+        status = dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
+    assert status == {first: "unknown_outcome", **dict.fromkeys(rest, "sent")}
+    assert fake_relays.deliveries() == Counter(rest)
+    with engine.connect() as conn:
+        tries = conn.execute(
+            sa.select(
+                attempts.c.message_id,
+                attempts.c.outcome,
+                attempts.c.started_at,
+                attempts.c.finished_at,
+            )
+        ).all()
+    (swept,) = [t for t in tries if t.message_id == first]
+    assert swept.outcome == "lease_expired"
+    # the dead relay's slot counted until its lease was swept: no send of K began before
+    assert min(t.started_at for t in tries if t.message_id in rest) >= swept.finished_at
