@@ -39,6 +39,7 @@ from datetime import datetime, timedelta
 
 __all__ = [
     "HORIZON",
+    "IN_FLIGHT_LOOK",
     "IN_FLIGHT_WAIT",
     "LATE_START",
     "MAX_HANDOFF",
@@ -68,6 +69,10 @@ _PRUNE_INTERVAL = 1.0  # seconds (monotonic) between deletions of bookings that 
 # How long a send whose scope has its most sends in flight steps back in line, per round of
 # that scope's sends ahead of it: in flight is freed by sends ending, which no one can plan.
 IN_FLIGHT_WAIT = timedelta(seconds=1)
+# How long the claim leaves such a scope's other due rows alone: claiming them sooner would
+# mostly send them back; later would leave its freed slots idle (claims sent back a second
+# each this often bound the churn to a few a second)
+IN_FLIGHT_LOOK = timedelta(seconds=0.25)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,14 +166,17 @@ class ScopedSend:
 class Planned:
     """What :meth:`SendBudget.plan_scoped` made of one send: a ``start`` when it may start
     then, with its ``bookings`` (scope, booking; none when no budget of its has a rate); else
+    ``kept`` in the queue for a slot of a scope at its most sends in flight; else
     ``wait_until``, when it goes back in line because a scope of its own is at its limit.
-    Neither: the shared budget is full, so it and every later send wait (the shared schedule
-    keeps their order)."""
+    None of these: the shared budget is full, so it and every later send wait (the shared
+    schedule keeps their order)."""
 
     start: datetime | None = None
     bookings: tuple[tuple[str, Booking], ...] = ()
     wait_until: datetime | None = None
-    held_by: str | None = None  # the scope that sent it back in line
+    kept: bool = False  # waits in the queue for a slot of its capped scope
+    held_by: str | None = None  # the scope that held it back
+    retry_at: datetime | None = None  # when that scope may have room: look at it again then
 
 
 def _booking(start: datetime, recipients: int, limit: float) -> Booking:
@@ -306,20 +314,28 @@ class SendBudget:
         """:meth:`plan` over several budgets at once: each send starts at the earliest moment
         every budget it belongs to has room (each budget's rule alone holds at any later
         moment, since nothing is booked after it), and takes a slot of each scope with a most
-        sends in flight. A send its own scope holds back (its rate, its sends in flight) goes
-        back in line until that scope has room, and the sends after it go on; one the shared
-        budget holds back stops the plan, as :meth:`plan` does. ``booked`` and ``in_flight``
+        sends in flight. A send its own scope holds back goes back in line until that scope
+        has room (its rate: spaced after what the scope sent back before, so each goes back
+        about once), or, up to the scope's cap of sends in flight, waits in the queue for a
+        slot; the sends after it go on. One the shared budget holds back stops the plan, as
+        :meth:`plan` does. ``booked`` and ``in_flight``
         are every relay's, by scope; both are updated as sends are planned."""
         floor, reach = now + self.lead, now + self.reach
         self._holds = {s: t for s, t in self._holds.items() if t > now}
+        kept: dict[str, int] = {}  # sends waiting in the queue for a capped scope's slot
         out: list[Planned] = []
         for send in sends:
             full = next((s for s, cap in send.caps if in_flight.get(s, 0) >= cap), None)
             if full is not None:
-                # a round of the scope's cap a second, after what it already sent back
-                step = IN_FLIGHT_WAIT / dict(send.caps)[full]
-                until = max(now + IN_FLIGHT_WAIT, self._holds.get(full, now) + step)
-                out.append(self._hold(full, until))
+                # up to its cap wait in the queue and start as soon as a send of the scope
+                # ends (nobody can plan when); the rest go back in line for a while
+                kept[full] = kept.get(full, 0) + 1
+                look = now + IN_FLIGHT_LOOK
+                if kept[full] <= dict(send.caps)[full]:
+                    out.append(Planned(kept=True, held_by=full, retry_at=look))
+                else:
+                    until = now + IN_FLIGHT_WAIT
+                    out.append(Planned(wait_until=until, held_by=full, retry_at=look))
                 continue
             starts = {
                 scope: earliest_start(
@@ -338,10 +354,13 @@ class SendBudget:
             rates = dict(send.rates)
             if start > reach:  # its own scope is at its rate: the next of that scope after it
                 scope = max(starts, key=lambda s: starts[s])
+                opening = max(now, starts[scope] - self.reach)  # the scope's next room
                 _append(booked[scope], _booking(start, send.recipients, rates[scope]))
                 step = timedelta(seconds=send.recipients / rates[scope])
-                until = max(now, start - self.reach, self._holds.get(scope, now) + step)
-                out.append(self._hold(scope, until))
+                after = self._holds[scope] + step if scope in self._holds else now
+                until = max(now, start - self.reach, after)
+                self._holds[scope] = until
+                out.append(Planned(wait_until=until, held_by=scope, retry_at=opening))
                 continue
             bookings = tuple((s, _booking(start, send.recipients, rates[s])) for s in starts)
             for scope, booking in bookings:
@@ -355,12 +374,6 @@ class SendBudget:
                     booked[SHARED], 1, limit=self.rate, now=floor, span=self.span
                 )
         return out
-
-    def _hold(self, scope: str, until: datetime) -> Planned:
-        """A send ``scope`` sends back in line until ``until``, remembered: the next it sends
-        back, in this plan or a later one, comes after it (so each goes back about once)."""
-        self._holds[scope] = until
-        return Planned(wait_until=until, held_by=scope)
 
     def available(self) -> float:
         """How many sends the relay may claim now: none while its last look found the budget

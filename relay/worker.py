@@ -76,6 +76,9 @@ class _Shared(Generic[_T]):
                 setattr(service, self._name, value)
 
 
+_SLOT_LOOK = 0.05  # seconds between looks for a send slot another relay may have freed
+
+
 class Relay:
     """One relay process's loop. ``run()`` returns when stopped (drained) or, with
     ``exit_when_idle``, when nothing is due and nothing is in flight."""
@@ -339,7 +342,11 @@ class Relay:
 
     def _wait(self) -> None:
         if self.producer.ready or self.limiter.available() < 1:  # waiting for the rate limit
-            timeout = max(0.005, self.limiter.seconds_until_available())
+            # or for a send slot of a key at its most in flight: a send ending here wakes the
+            # loop; one ending on another relay is seen at the next look
+            wait = self.limiter.seconds_until_available()
+            slot_only = wait <= 0 and self.producer.budget.kept
+            timeout = _SLOT_LOOK if slot_only else max(0.005, wait)
         elif (probe_in := self.pauses.next_probe_in()) is not None and probe_in > 0:
             timeout = max(0.005, min(self.config.poll_interval, probe_in))
         else:

@@ -75,6 +75,8 @@ class BudgetFilter:
         self.relay_id = relay_id
         self._clock = clock
         self.limits = limits or Limits()
+        self.retry: dict[str, datetime] = {}  # scopes at their limit this pass -> look again
+        self.kept = 0  # claims the last pass kept in the queue for a send slot
 
     def admissible(self, ready: list[Ready]) -> bool:
         return bool(ready) and self.limiter.available() >= 1
@@ -86,6 +88,7 @@ class BudgetFilter:
         shared = self.limiter.rate
         if shared is None and not self.limits:
             return [(r, None) for r in ready], []
+        self.retry, self.kept = {}, 0
         if not ready or self.limiter.available() < 1:
             return [], []
         store.lock_send_budget(conn)
@@ -101,6 +104,12 @@ class BudgetFilter:
         wave: Wave = []
         deferred: Deferred = []
         for r, send, plan in zip(ready, sends, planned, strict=False):
+            if plan.held_by is not None and plan.retry_at is not None:
+                seen = self.retry.get(plan.held_by, plan.retry_at)
+                self.retry[plan.held_by] = min(seen, plan.retry_at)
+            if plan.kept:
+                self.kept += 1  # stays in the queue
+                continue
             if plan.wait_until is not None:
                 deferred.append((r, plan.wait_until, plan.held_by))
                 continue

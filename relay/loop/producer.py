@@ -126,6 +126,7 @@ class Producer:
                     if due_before and len(claims) + len(expired) < limit:
                         due_before = self._control.unheld(conn, due_before, now)
                 wave, deferred = self.budget.admit(conn, pending)
+                self._hold_keys(self.budget.retry)
                 admitted = len(wave)
                 taken = {id(r) for r, _ in wave} | {id(r) for r, _, _ in deferred}
                 self._defer(conn, deferred, now)
@@ -228,6 +229,14 @@ class Producer:
                 "held: its sending is paused", extra={"action": "held", "message_id": claim.id}
             )
 
+    def _hold_keys(self, retry: dict[str, datetime]) -> None:
+        """Leave a key at its limit out of the claim until its scope may have room: claiming
+        its due rows before then would only send them back, in place of other keys' mail."""
+        for scope, at in retry.items():
+            if scope.startswith("key:"):
+                key = scope.removeprefix("key:")
+                self.held_keys[key] = min(self.held_keys.get(key, at), at)
+
     def _held_keys(self, now: datetime) -> list[str]:
         """The keys whose due rows the claim leaves alone now (their limit holds them)."""
         self.held_keys = {k: t for k, t in self.held_keys.items() if t > now}
@@ -243,15 +252,10 @@ class Producer:
             groups.setdefault((ready.claim.claim_token, until), []).append(ready.claim.id)
         for (token, until), ids in groups.items():
             store.release_unsent(conn, ids=ids, claim_token=token, now=now, next_attempt_at=until)
-        for ready, until, scope in deferred:
+        for ready, until, _scope in deferred:
             if ready.probe is not None:  # nothing was sent: the scope is still unprobed
                 self.pauses.probe_lost(ready.probe)
             self.deferred_until = max(self.deferred_until or until, until)
-            key = ready.claim.fairness_key
-            if key is not None and scope == "key:" + key:
-                # its key's other due rows stay unclaimed until the first sent back is due:
-                # claiming them now would only send them back too, in place of other keys'
-                self.held_keys[key] = min(self.held_keys.get(key, until), until)
         _log.info(
             "%d claimed messages over their key's or identity's limit step back in line",
             len(deferred),

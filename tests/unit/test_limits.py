@@ -18,6 +18,7 @@ from outbox.exceptions import ConfigurationError
 from relay.config import RelayConfig
 from relay.limits import Limits, ScopeLimit, parse_limit
 from relay.ratelimit import (
+    IN_FLIGHT_LOOK,
     IN_FLIGHT_WAIT,
     SHARED,
     WINDOW,
@@ -166,22 +167,36 @@ def test_a_send_waits_for_every_budget_it_belongs_to():
     assert dict(only.bookings).keys() == {SHARED, "key:a"}
 
 
-def test_a_key_at_its_sends_in_flight_sends_its_claims_back_a_cap_a_second():
+def test_a_key_at_its_sends_in_flight_keeps_a_cap_of_claims_queued_and_sends_back_the_rest():
+    """Up to the cap wait in the queue for a slot (a send ending may free one any moment);
+    the rest go back in line a while, so they hold no queue place other keys could use."""
     clock = Clock(T0)
     plan = budget(None, clock)
     capped = send(caps=(("key:a", 2),))
     planned = plan.plan_scoped({}, {"key:a": 1}, [capped] * 6, T0)
     assert planned[0].start == T0
     assert planned[0].bookings == ()  # no rate: nothing to book, a slot only
-    assert [p.wait_until for p in planned[1:]] == [
-        T0 + IN_FLIGHT_WAIT * n for n in (1, 1.5, 2, 2.5, 3)
-    ]
-    assert {p.held_by for p in planned[1:]} == {"key:a"}
+    assert [p.kept for p in planned[1:]] == [True, True, False, False, False]
+    assert [p.wait_until for p in planned[3:]] == [T0 + IN_FLIGHT_WAIT] * 3
+    assert {(p.held_by, p.retry_at) for p in planned[1:]} == {("key:a", T0 + IN_FLIGHT_LOOK)}
+
+
+def test_a_key_at_its_rate_is_looked_at_again_when_its_budget_has_room():
+    clock = Clock(T0)
+    plan = budget(None, clock)
+    first, second, third = plan.plan_scoped({}, {}, [send(("key:a", 1.0))] * 3, T0)
+    assert first.start == T0
+    # its next room: a window and the slack after the first, less how far ahead it books
+    opening = T0 + timedelta(seconds=1.05) - plan.reach
+    assert (second.retry_at, second.wait_until) == (opening, opening)
+    assert third.wait_until == opening + timedelta(seconds=1.05)  # the one after it
+    assert second.held_by == third.held_by == "key:a"
 
 
 def test_what_a_scope_sent_back_in_one_plan_the_next_plan_sends_back_after_it():
     """A key at 1/s whose claims keep coming: each plan's claims go back after the last one
-    sent back, a second apart, so each claim goes back about once, not every pass."""
+    sent back, a second (and the slack) apart, so each claim goes back about once, not every
+    pass."""
     clock = Clock(T0)
     plan = budget(None, clock)
     booked: dict[str, list[Booking]] = {}
@@ -192,7 +207,8 @@ def test_what_a_scope_sent_back_in_one_plan_the_next_plan_sends_back_after_it():
     waits = [p.wait_until for p in (*first[1:], *second)]
     assert all(w is not None for w in waits)
     assert waits == sorted(waits)
-    assert [round((w - waits[0]).total_seconds(), 3) for w in waits] == [0, 1, 2, 3]
+    # a window and the slack apart, as the budget books them
+    assert [round((w - waits[0]).total_seconds(), 3) for w in waits] == [0, 1.05, 2.1, 3.15]
 
 
 @settings(max_examples=60, deadline=None)
