@@ -38,25 +38,20 @@ _WEIGHT_RANGE = (0.001, 1000.0)
 
 
 _m = messages
-# The latest turn in a key's line at one priority: its pending rows already due by the new
-# row's due time, or placed after another by a stride (turn past due time). A row scheduled for
-# later (not_before, a held pause) is not in line yet and must not push the key's mail behind
-# it; nor must the key's mail of another priority, which is served apart.
+# The latest turn in a key's line at one priority: ``line_at`` of its pending rows, the turn
+# each took when it was written due. A row scheduled for later has none: it is not in line yet
+# and must not push the key's mail behind it; nor must the key's mail of another priority,
+# which is served apart. One backward seek of ix_outbox_messages_fairness.
 _TAIL = (
-    sa.select(_m.c.fair_at)
+    sa.select(_m.c.line_at)
     .where(
         _m.c.fairness_key == sa.bindparam("key", type_=_m.c.fairness_key.type),
         _m.c.status == sa.literal_column(f"'{Status.PENDING.value}'"),
         _m.c.priority == sa.bindparam("priority", type_=_m.c.priority.type),
-        # an earlier turn would not move the new row's (its due time comes later): the scan
-        # stops there, even where the index holds the key's sent rows too (MariaDB)
-        _m.c.fair_at > sa.bindparam("floor", type_=_m.c.fair_at.type),
-        sa.or_(
-            _m.c.fair_at > _m.c.next_attempt_at,
-            _m.c.next_attempt_at <= sa.bindparam("due", type_=_m.c.next_attempt_at.type),
-        ),
+        # an earlier turn would not move the new row's (its due time comes later)
+        _m.c.line_at > sa.bindparam("floor", type_=_m.c.line_at.type),
     )
-    .order_by(_m.c.fair_at.desc())
+    .order_by(_m.c.line_at.desc())
     .limit(1)
 )
 
@@ -152,7 +147,7 @@ def assign_turns(
     tails: dict[tuple[str, int], datetime | None] = {
         (key, priority): conn.execute(
             _TAIL,
-            {"key": key, "priority": priority, "due": due, "floor": due - weights.stride(key)},
+            {"key": key, "priority": priority, "floor": due - weights.stride(key)},
         ).scalar()
         for (key, priority), due in lines.items()
     }
@@ -165,3 +160,5 @@ def assign_turns(
         tail = tails[line]
         turn = due if tail is None else max(due, tail + weights.stride(key))
         row["fair_at"] = tails[line] = turn
+        if due <= row["created_at"]:  # written due: in its key's line from now on
+            row["line_at"] = turn

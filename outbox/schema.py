@@ -294,6 +294,9 @@ messages = sa.Table(
     # at or after next_attempt_at: docs/design.md, "Fair sending"
     sa.Column("fairness_key", _exact(255), nullable=True),
     sa.Column("fair_at", UTCDateTime(), nullable=False, server_default=FAIR_AT_DEFAULT),
+    # the turn it took in its key's line, when it was written due (None: no key, or
+    # scheduled for later); the next message of the key is placed after the latest
+    sa.Column("line_at", UTCDateTime(), nullable=True),
     sa.UniqueConstraint("idempotency_key"),
     sa.CheckConstraint(_in("status", tuple(Status)), name="status"),
     sa.CheckConstraint(_in("ambiguity_policy", STORED_POLICIES), name="ambiguity_policy"),
@@ -322,10 +325,9 @@ sa.Index(
     messages.c.fairness_key,
     messages.c.status,
     messages.c.priority,
-    messages.c.fair_at,
-    messages.c.next_attempt_at,
-    postgresql_where=sa.text("status = 'pending' AND fairness_key IS NOT NULL"),
-    sqlite_where=sa.text("status = 'pending' AND fairness_key IS NOT NULL"),
+    messages.c.line_at,
+    postgresql_where=sa.text("status = 'pending' AND line_at IS NOT NULL"),
+    sqlite_where=sa.text("status = 'pending' AND line_at IS NOT NULL"),
 )
 # Events without the outbox's tags (identity notifications) find their row by SES message id.
 sa.Index(

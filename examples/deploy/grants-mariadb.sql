@@ -92,8 +92,8 @@ SET @outbox_password = NULL, @outbox_account = NULL;
 GRANT INSERT (idempotency_key, category, priority, status, payload, recipients,
     recipient_count, subject, attempt_count, max_attempts, backoff_base, backoff_cap,
     ambiguity_policy, reconcile_after, next_attempt_at, expires_at, created_at, updated_at,
-    fairness_key, fair_at),
-    SELECT (id, idempotency_key, status, fairness_key, fair_at)
+    fairness_key, fair_at, line_at),
+    SELECT (id, idempotency_key, status, priority, fairness_key, line_at)
     ON `${DB_NAME}`.`outbox_messages` TO '${APP_USER}'@'${CLIENT_HOST}';
 
 -- The relay: `run` (relay/store.py) and `events` (relay/intake.py). It reads every outbox

@@ -72,9 +72,9 @@ GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"app_role";
 GRANT INSERT (idempotency_key, category, priority, status, payload, recipients,
     recipient_count, subject, attempt_count, max_attempts, backoff_base, backoff_cap,
     ambiguity_policy, reconcile_after, next_attempt_at, expires_at, created_at, updated_at,
-    fairness_key, fair_at)
+    fairness_key, fair_at, line_at)
     ON :"schema".outbox_messages TO :"app_role";
-GRANT SELECT (id, idempotency_key, status, fairness_key, fair_at)
+GRANT SELECT (id, idempotency_key, status, priority, fairness_key, line_at)
     ON :"schema".outbox_messages TO :"app_role";
 
 -- The relay: `run` (relay/store.py) and `events` (relay/intake.py). Identity columns need no

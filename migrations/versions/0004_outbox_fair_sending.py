@@ -52,6 +52,7 @@ def upgrade() -> None:
         "outbox_messages",
         sa.Column("fair_at", _ts(), nullable=False, server_default=FAIR_AT_DEFAULT),
     )
+    op.add_column("outbox_messages", sa.Column("line_at", _ts()))
     op.execute(f"UPDATE outbox_messages SET fair_at = next_attempt_at WHERE {QUEUED}")
     op.drop_index(op.f("ix_outbox_messages_claim"), "outbox_messages")
     op.create_index(
@@ -61,11 +62,11 @@ def upgrade() -> None:
         postgresql_where=sa.text(CLAIMABLE),
         sqlite_where=sa.text(CLAIMABLE),
     )
-    keyed = "status = 'pending' AND fairness_key IS NOT NULL"
+    keyed = "status = 'pending' AND line_at IS NOT NULL"
     op.create_index(
         op.f("ix_outbox_messages_fairness"),
         "outbox_messages",
-        ["fairness_key", "status", "priority", "fair_at", "next_attempt_at"],
+        ["fairness_key", "status", "priority", "line_at"],
         postgresql_where=sa.text(keyed),
         sqlite_where=sa.text(keyed),
     )
@@ -102,6 +103,7 @@ def downgrade() -> None:
         postgresql_where=sa.text(CLAIMABLE),
         sqlite_where=sa.text(CLAIMABLE),
     )
+    op.drop_column("outbox_messages", "line_at")
     op.drop_column("outbox_messages", "fair_at")
     op.drop_column("outbox_messages", "fairness_key")
 

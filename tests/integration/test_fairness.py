@@ -40,6 +40,13 @@ OB = Outbox(
 enqueue = functools.partial(factories.enqueue, outbox=OB, not_before=T0)
 
 
+@pytest.fixture(autouse=True)
+def written_at_t0(monkeypatch):
+    """Mail is written at T0 (the app's clock), so a row due at T0 is written due: in its
+    key's line, as mail enqueued for now is."""
+    monkeypatch.setattr("outbox.session.utcnow", lambda: T0)
+
+
 def claim(engine: sa.Engine, limit: int, now: datetime = T0) -> list[store.Claim]:
     with engine.begin() as conn:
         claims, expired = store.claim_batch(
@@ -288,3 +295,17 @@ def test_a_keyed_enqueue_on_sqlite_waits_for_another_writer_instead_of_failing(t
     writer.join()
     assert fair_at(engine, [result.id]) == [T0 + STRIDE]
     engine.dispose()
+
+
+def test_a_keys_scheduled_batch_does_not_put_its_mail_of_now_behind_it(engine):
+    """A newsletter of the key scheduled for tomorrow (one batch) is spaced among itself, and
+    is still not in the key's line today: the key's password reset of now takes its turn now."""
+    tomorrow = T0 + timedelta(days=1)
+    with Session(engine) as session, session.begin():
+        batch = OB.enqueue_many(
+            session, [email(i) for i in range(50)], fairness_key="A", not_before=tomorrow
+        )
+    assert fair_at(engine, [r.id for r in batch[:2]]) == [tomorrow, tomorrow + STRIDE]
+    enqueue(engine, 20, fairness_key="B")
+    (reset,) = enqueue(engine, fairness_key="A")
+    assert fair_at(engine, [reset]) == [T0]
