@@ -67,6 +67,8 @@ def check_fairness_key(value: object, field: str = "fairness_key") -> str | None
         raise InvalidArgument(field, f"must be a string or None, not {type(value).__name__}")
     if not value.strip():
         raise InvalidArgument(field, "must not be empty (None for no key)")
+    if not value.isprintable():
+        raise InvalidArgument(field, f"{value!r} must be printable text (no control characters)")
     if value != value.strip():
         # MariaDB compares text ignoring trailing spaces: "acme" and "acme " would be one key
         raise InvalidArgument(field, f"{value!r} must not begin or end with whitespace")

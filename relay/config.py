@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass, field
@@ -133,17 +134,35 @@ class RelayConfig:
 
 
 def _check_order(limits: tuple[ScopeLimit, ...], flag: str) -> None:
-    """The first matching limit wins, so a limit an earlier one covers would never apply:
-    refused, rather than silently dropped (two flags for one pattern, or ``*`` first)."""
+    """The first matching limit wins, so a limit an earlier one surely covers would never
+    apply: refused, rather than silently dropped. Surely: the same pattern, an earlier ``*``,
+    a later pattern with no wildcard that the earlier matches; for identities, an earlier
+    domain pattern that matches a later pattern's domain (the domain is tried for every
+    address of it)."""
     for i, later in enumerate(limits):
         for earlier in limits[:i]:
-            if fnmatch.fnmatchcase(later.pattern, earlier.pattern):
+            if _covers(earlier.pattern, later.pattern, later.kind):
                 raise ConfigurationError(
                     flag,
                     f"'{later}' never applies: '{earlier}' comes first and matches every "
                     f"{later.kind} it matches (the first match wins; give one {flag} per "
                     "pattern, both limits comma-separated, narrower patterns first)",
                 )
+
+
+def _covers(earlier: str, later: str, kind: str) -> bool:
+    if earlier in (later, "*") or (not _WILD.search(later) and fnmatch.fnmatchcase(later, earlier)):
+        return True
+    if kind != "identity" or "@" in earlier:
+        return False
+    domain = later.rpartition("@")[2]  # a domain, or an address pattern's; or above it
+    if _WILD.search(domain):
+        return False
+    labels = domain.split(".")
+    return any(fnmatch.fnmatchcase(".".join(labels[i:]), earlier) for i in range(len(labels)))
+
+
+_WILD = re.compile(r"[*?\[]")
 
 
 def _text(value: object, flag: str) -> str:

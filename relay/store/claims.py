@@ -19,6 +19,7 @@ from relay.clock import read_database_time
 from relay.policy import MessageState
 
 __all__ = [
+    "MAX_SKIPPED_KEYS",
     "Claim",
     "Expired",
     "claim_batch",
@@ -126,6 +127,10 @@ def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
 
 
 _NOW = sa.bindparam("c_now", type_=UTCDateTime())
+# Most held keys the claim leaves out by name: beyond, the rest are claimed and sent back (a
+# longer list costs every claim more than the claims it saves, and PostgreSQL takes at most
+# 65,535 parameters a statement)
+MAX_SKIPPED_KEYS = 500
 _LIMIT = sa.bindparam("c_limit", type_=sa.Integer())
 
 
@@ -231,8 +236,9 @@ def claim_batch(
         "c_relay": relay_id,
         "c_lease": now + timedelta(seconds=lease_seconds),
     }
+    skip_keys = list(skip_keys)[:MAX_SKIPPED_KEYS]
     if skip_keys:
-        params["c_skip"] = list(skip_keys)
+        params["c_skip"] = skip_keys
     statements = _claim_statements(conn.dialect.name in ("mysql", "mariadb"), bool(skip_keys))
     if conn.dialect.name in ("mysql", "mariadb"):
         params["c_ids"] = list(conn.execute(statements.pick, params).scalars())

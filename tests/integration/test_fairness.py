@@ -158,6 +158,8 @@ def test_a_retry_keeps_a_turn_at_or_after_its_new_due_time(engine):
     [
         ("", "fairness_key", "must not be empty"),
         ("acme ", "fairness_key", "must not begin or end with whitespace"),
+        ("a\x00b", "fairness_key", "must be printable"),
+        ("a\ud800", "fairness_key", "must be printable"),
         ("x" * 256, "fairness_key", "the limit is 255"),
         (42, "fairness_key", "must be a string or None"),
     ],

@@ -91,6 +91,32 @@ def test_a_limit_an_earlier_one_covers_is_refused_not_dropped(first, then):
     assert f"'{then}' never applies" in raised.value.reason
 
 
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ("example.com=10/s", "*@example.com=2/s"),  # the domain is tried for every address
+        ("example.com=10/s", "mail.example.com=2/s"),
+        ("example.com=10/s", "shop@mail.example.com=1/s"),
+    ],
+)
+def test_an_identity_limit_a_domain_before_it_covers_is_refused(first, then):
+    with pytest.raises(ConfigurationError, match="never applies"):
+        RelayConfig(database_url="sqlite://", identity_limits=(first, then))
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ("shop-?????=1/s", "shop-[0-9]=2/s"),
+        ("[*]x=1/s", "*x=2/s"),
+        ("tenant-?*=1/s", "tenant-*=2/s"),
+    ],
+)
+def test_two_limits_that_each_apply_to_some_key_are_both_kept(first, then):
+    config = RelayConfig(database_url="sqlite://", key_limits=(first, then))
+    assert len(config.limits) == 2
+
+
 def test_narrower_patterns_first_are_each_kept():
     config = RelayConfig(database_url="sqlite://", key_limits=("vip-*=5/s", "*=100/s"))
     assert [limit.pattern for limit in config.limits] == ["vip-*", "*"]
