@@ -196,6 +196,8 @@ def test_a_second_relay_with_a_live_relays_id_refuses_to_start(server_backend, f
     assert (row.pid, row.state) == (third.pid, "stopped")
 
 
+# serial: it must see the live case within 3 s of a kill, which other workers' load outlasted
+@pytest.mark.serial
 def test_a_killed_relays_id_is_free_once_its_heartbeat_is_three_intervals_old(
     server_backend, fake_relays
 ):

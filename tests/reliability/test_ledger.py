@@ -308,6 +308,8 @@ def test_a_database_outage_longer_than_the_lease_loses_no_send_ses_accepted(
     assert summary.failed == 0
 
 
+# serial: a read timeout beside other workers' load made one resend duplicate (a timing bound)
+@pytest.mark.serial
 def test_relays_with_clocks_two_minutes_ahead_and_behind_expire_no_lease(
     server_backend, moto, tmp_path, size
 ):
