@@ -288,21 +288,9 @@ class SendBudget:
         limit = self.rate
         if limit is None:
             raise ValueError("no send limit: there is no budget to plan in")
-        schedule = list(booked)
-        planned: list[Booking] = []
-        floor = now + self.lead
-        for recipients in sizes:
-            start = earliest_start(schedule, recipients, limit=limit, now=floor, span=self.span)
-            if start > now + self.reach:
-                self._next = start
-                return planned
-            booking = Booking(
-                start=start, recipients=recipients, until=start + occupation(recipients, limit)
-            )
-            planned.append(booking)
-            schedule[-1:] = merged([*schedule[-1:], booking])
-        self._next = earliest_start(schedule, 1, limit=limit, now=floor, span=self.span)
-        return planned
+        sends = [ScopedSend(recipients=n, rates=((SHARED, limit),)) for n in sizes]
+        planned = self.plan_scoped({SHARED: list(booked)}, {}, sends, now)
+        return [p.bookings[0][1] for p in planned]
 
     def plan_scoped(
         self,

@@ -34,8 +34,7 @@ _log = logging.getLogger("relay")
 _AUTO_RATE_FALLBACK = 1.0  # recipients/s when --max-send-rate auto cannot read the account
 
 Wave = list[tuple[Ready, Slot | None]]  # messages to start, each with its slot (None: now)
-# messages back in line, each until when and the scope that sent it back
-Deferred = list[tuple[Ready, datetime, str | None]]
+Deferred = list[tuple[Ready, datetime]]  # messages back in line, each until when
 
 
 class PauseFilter:
@@ -111,7 +110,7 @@ class BudgetFilter:
                 self.kept += 1  # stays in the queue
                 continue
             if plan.wait_until is not None:
-                deferred.append((r, plan.wait_until, plan.held_by))
+                deferred.append((r, plan.wait_until))
                 continue
             assert plan.start is not None
             for scope, booking in plan.bookings:

@@ -128,7 +128,7 @@ class Producer:
                 wave, deferred = self.budget.admit(conn, pending)
                 self._hold_keys(self.budget.retry)
                 admitted = len(wave)
-                taken = {id(r) for r, _ in wave} | {id(r) for r, _, _ in deferred}
+                taken = {id(r) for r, _ in wave} | {id(r) for r, _ in deferred}
                 self._defer(conn, deferred, now)
                 wave, barred = self.suppressions.screen(conn, wave, now)
                 barred_applied = completer.save(conn, barred, now)
@@ -248,14 +248,13 @@ class Producer:
         if not deferred:
             return
         groups: dict[tuple[str, datetime], list[int]] = {}
-        for ready, until, _ in deferred:
+        for ready, until in deferred:
             groups.setdefault((ready.claim.claim_token, until), []).append(ready.claim.id)
-        for (token, until), ids in groups.items():
-            store.release_unsent(conn, ids=ids, claim_token=token, now=now, next_attempt_at=until)
-        for ready, until, _scope in deferred:
             if ready.probe is not None:  # nothing was sent: the scope is still unprobed
                 self.pauses.probe_lost(ready.probe)
             self.deferred_until = max(self.deferred_until or until, until)
+        for (token, until), ids in groups.items():
+            store.release_unsent(conn, ids=ids, claim_token=token, now=now, next_attempt_at=until)
         _log.info(
             "%d claimed messages over their key's or identity's limit step back in line",
             len(deferred),

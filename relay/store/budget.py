@@ -32,11 +32,6 @@ _slots = send_slots
 _m = messages
 _LOCK_BUDGET = sa.update(send_budget_lock).where(send_budget_lock.c.id == 1).values(id=1)
 _SINCE = sa.bindparam("since", type_=UTCDateTime())
-_BOOKINGS = (
-    sa.select(_budget.c.reserved_at, _budget.c.recipients, _budget.c.occupied_until)
-    .where(_budget.c.scope == SHARED, _budget.c.occupied_until > _SINCE)
-    .order_by(_budget.c.reserved_at, _budget.c.id)
-)
 _SCOPED_BOOKINGS = (
     sa.select(
         _budget.c.scope, _budget.c.reserved_at, _budget.c.recipients, _budget.c.occupied_until
@@ -85,10 +80,7 @@ def lock_send_budget(conn: sa.Connection) -> None:
 def send_bookings(conn: sa.Connection, *, since: datetime) -> list[Booking]:
     """The shared budget's bookings whose hold ends after ``since``, in start order; read under
     :func:`lock_send_budget` (at READ COMMITTED each statement sees what committed before it)."""
-    return [
-        Booking(start=row.reserved_at, recipients=row.recipients, until=row.occupied_until)
-        for row in conn.execute(_BOOKINGS, {"since": since})
-    ]
+    return scoped_bookings(conn, since=since, scopes=(SHARED,))[SHARED]
 
 
 def scoped_bookings(
