@@ -5,6 +5,7 @@ transaction of its change."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, cast
@@ -16,7 +17,7 @@ from outbox.schema import AttemptOutcome, OperatorAction, Status, messages
 from relay import store
 from relay.admin import options
 from relay.admin.batches import Change, Interrupted, in_batches, operator_attempt, operator_id
-from relay.admin.output import detail, some, to_json
+from relay.admin.output import detail, some, text, to_json
 from relay.cli_options import database_url
 from relay.clock import read_database_time
 from relay.store import operator as ops
@@ -25,10 +26,17 @@ __all__ = ["cancel", "requeue", "resolve"]
 
 
 def _select(
-    conn: sa.Connection, ids: Sequence[int], flt: store.Filter, allowed: Iterable[str], verb: str
+    conn: sa.Connection,
+    ids: Sequence[int],
+    flt: store.Filter,
+    allowed: Iterable[str],
+    verb: str,
+    *,
+    needs_body: bool,
 ) -> list[int]:
     """The ids a command will change; refuses, changing nothing, if any given id is unknown or
-    in a status the command cannot change."""
+    in a status the command cannot change, or (``needs_body``: it would be sent again) lost its
+    body to prune. Filters leave such messages out, with a line on stderr."""
     allowed = tuple(allowed)
     if ids:
         found = store.statuses_of(conn, ids)
@@ -40,6 +48,12 @@ def _select(
             raise click.ClickException(
                 f"cannot {verb} {some(wrong)}: only {' or '.join(allowed)} messages"
             )
+        dropped = store.bodies_dropped(conn, ids) if needs_body else {}
+        if dropped:
+            raise click.ClickException(
+                f"cannot {verb} {some(map(str, sorted(dropped)))}: prune dropped the body "
+                "(--keep-bodies), so there is nothing to send; `outbox-relay show` says when"
+            )
         return list(ids)
     statuses = flt.statuses or allowed
     bad = [s for s in statuses if s not in allowed]
@@ -47,7 +61,15 @@ def _select(
         raise click.BadParameter(
             f"cannot {verb} {', '.join(bad)} messages", param_hint="'--status'"
         )
-    return store.message_ids(conn, store.Filter(**{**_fields(flt), "statuses": tuple(statuses)}))
+    chosen = store.Filter(**{**_fields(flt), "statuses": tuple(statuses)})
+    kept = store.message_ids(conn, dataclasses.replace(chosen, with_body=needs_body))
+    if needs_body and (bodiless := store.count_messages(conn, chosen) - len(kept)) > 0:
+        click.echo(
+            f"{bodiless} matching message(s) left out: prune dropped their bodies "
+            "(--keep-bodies), so there is nothing to send",
+            err=True,
+        )
+    return kept
 
 
 def _fields(flt: store.Filter) -> dict[str, Any]:
@@ -81,7 +103,13 @@ def _change(
     flt = options.to_filter(**filters)
     with options.database(database_url) as engine:
         with engine.connect() as conn:
-            chosen = sorted(set(_select(conn, ids, flt, allowed, verb)))
+            chosen = sorted(
+                set(
+                    _select(
+                        conn, ids, flt, allowed, verb, needs_body=action is OperatorAction.REQUEUE
+                    )
+                )
+            )
         if not ids and not yes:
             raise click.UsageError(f"{len(chosen)} messages match; add --yes to {verb} them all")
         try:
@@ -339,6 +367,12 @@ def _resolve_not_delivered(
         raise click.ClickException(
             f"cannot resolve message {message_id} as not delivered: it is {previous}; only "
             f"{' or '.join(store.REQUEUEABLE)} messages are requeued"
+        )
+    if dropped := store.bodies_dropped(conn, [message_id]):
+        raise click.ClickException(
+            f"cannot resolve message {message_id} as not delivered: prune dropped its body at "
+            f"{text(dropped[message_id])} (--keep-bodies), so it cannot be sent again; enqueue "
+            "the email anew (a new idempotency key) and resolve this one --delivered or leave it"
         )
     if not store.requeue(conn, message_id=message_id, now=now):
         raise click.ClickException(

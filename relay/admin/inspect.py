@@ -197,11 +197,17 @@ def show(database_url: str, message_id: int, as_json: bool, body: str | None) ->
         raise click.ClickException(f"no message with id {message_id}")
     message = dict(row._mapping)
     payload = message.pop("payload") or {}
-    message["attachments"] = [a.get("filename") for a in payload.get("attachments", [])]
+    dropped = message["body_dropped_at"]
+    # a dropped body's attachments and template are unknown, not none
+    message["attachments"] = (
+        None if dropped else [a.get("filename") for a in payload.get("attachments", [])]
+    )
     message["template"] = payload.get("template")
     attempts = [dict(a._mapping) for a in history]
     content = None if body is None else _body(payload, raw=body == "raw")
-    if body is not None:  # bodies are personal data: say on stderr that one is shown
+    if content is not None and dropped:
+        content = {"error": f"prune dropped it at {text(dropped)} (--keep-bodies)"}
+    elif body is not None:  # bodies are personal data: say on stderr that one is shown
         click.echo(f"Note: showing the body of message {message_id} (personal data)", err=True)
     if as_json:
         report: dict[str, Any] = {

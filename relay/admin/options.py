@@ -25,11 +25,14 @@ _LONGEST = timedelta(weeks=5217)  # about 100 years: longer than any message, an
 
 
 def parse_duration(text: str) -> timedelta:
-    """``90s``, ``15m``, ``12h``, ``30d``, ``2w`` or combinations such as ``1d12h``."""
+    """``90s``, ``15m``, ``12h``, ``30d``, ``2w`` or combinations such as ``1d12h``; a bare
+    ``0`` is no time at all."""
     cleaned = text.strip().lower()
+    if cleaned == "0":
+        return timedelta(0)
     parts = _DURATION_PARTS.findall(cleaned)
     if not parts or _DURATION_PARTS.sub("", cleaned).strip():
-        raise ValueError(f"{text!r} is not a duration such as 90s, 15m, 12h, 30d or 2w")
+        raise ValueError(f"{text!r} is not a duration such as 0, 90s, 15m, 12h, 30d or 2w")
     seconds = sum(float(n) * _UNITS[unit] for n, unit in parts)
     if seconds > _LONGEST.total_seconds():  # 'now' minus it must still be a date
         raise ValueError(f"{text!r} is too long a duration: at most 100 years (5217w)")

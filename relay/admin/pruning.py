@@ -1,6 +1,7 @@
 """The ``prune`` command: finished messages with their attempts and events, events matched to
 no message, and the rows of relays that stopped, deleted in short transactions, never inside
-the dedup window; the prune itself written to the operators' log."""
+the dedup window; the bodies of finished messages past ``--keep-bodies`` dropped; the prune
+itself written to the operators' log."""
 
 from __future__ import annotations
 
@@ -69,6 +70,14 @@ def _prunable_statuses(include_unknown_outcome: bool) -> tuple[str, ...]:
     default="7d",
     help="Delete the outbox_relays rows of relays that stopped cleanly longer ago than this.",
 )
+@option(
+    "--keep-bodies",
+    type=options.DURATION,
+    default="7d",
+    help="Drop the body (the payload: html, text, attachments, headers) of finished messages "
+    "last changed longer ago than this, keeping the row, its key and its history; 0: every "
+    "finished message's. A message without its body cannot be requeued.",
+)
 @click.option(
     "--batch-size",
     type=click.IntRange(1, 100_000),
@@ -91,7 +100,8 @@ def _prunable_statuses(include_unknown_outcome: bool) -> tuple[str, ...]:
 def prune(
     database_url: str, older_than: timedelta, dedup_window: timedelta,
     unmatched_events_older_than: timedelta, stopped_relays_older_than: timedelta,
-    batch_size: int, include_unknown_outcome: bool, dry_run: bool, actor: str, as_json: bool,
+    keep_bodies: timedelta, batch_size: int, include_unknown_outcome: bool, dry_run: bool,
+    actor: str, as_json: bool,
 ) -> None:  # fmt: skip
     """Delete finished messages (sent, resolved as delivered, failed, cancelled, expired),
     their attempts and their events, older than the cutoff; and events matched to no message
@@ -119,6 +129,8 @@ def prune(
             cutoff = now - max(older_than, dedup_window)
             unmatched_cutoff = now - unmatched_events_older_than
             relays_cutoff = now - stopped_relays_older_than
+            bodies_cutoff = now - keep_bodies
+            bodies = ops.count_droppable_bodies(conn, before=bodies_cutoff) if dry_run else 0
             stopped_relays = ops.count_stopped_relays(conn, before=relays_cutoff) if dry_run else 0
             matched = (
                 ops.count_prunable_messages(conn, before=cutoff, statuses=statuses)
@@ -139,6 +151,8 @@ def prune(
             "unmatched_events_cutoff": unmatched_cutoff,
             "unmatched_events_older_than_seconds": unmatched_events_older_than.total_seconds(),
             "stopped_relays_older_than_seconds": stopped_relays_older_than.total_seconds(),
+            "bodies_cutoff": bodies_cutoff,
+            "keep_bodies_seconds": keep_bodies.total_seconds(),
             "include_unknown_outcome": include_unknown_outcome,
         }
         interrupted: Interrupted | None = None
@@ -148,7 +162,7 @@ def prune(
                 _prune_batches(
                     engine, pruned, cutoff, batch_size, matched or 0,
                     statuses=statuses, unmatched_before=unmatched_cutoff,
-                    relays_before=relays_cutoff,
+                    relays_before=relays_cutoff, bodies_before=bodies_cutoff,
                     log=ops.LoggedAction(at=now, actor=actor, action=OperatorAction.PRUNE),
                     facts=facts,
                 )  # fmt: skip
@@ -160,12 +174,14 @@ def prune(
                 "would_delete": matched,
                 "would_delete_events": matched_events,
                 "would_delete_relays": stopped_relays,
+                "would_drop_bodies": bodies,
             }
             if dry_run
             else {
                 "deleted": pruned.messages,
                 "deleted_events": pruned.events,
                 "deleted_relays": pruned.relays,
+                "bodies_dropped": pruned.bodies,
             }
         )
         stop = {"interrupted": interrupted.why} if interrupted else {}
@@ -188,12 +204,14 @@ def prune(
     if dry_run:
         click.echo(
             f"would delete {matched} message(s) created before {text(cutoff)}, and "
-            f"{matched_events} event(s), and {stopped_relays} stopped relay row(s)"
+            f"{matched_events} event(s), and {stopped_relays} stopped relay row(s); would "
+            f"drop the bodies of {bodies} message(s) finished before {text(bodies_cutoff)}"
         )
     else:
         click.echo(
             f"deleted {pruned.messages} message(s) created before {text(cutoff)}, and "
-            f"{pruned.events} event(s), and {pruned.relays} stopped relay row(s)"
+            f"{pruned.events} event(s), and {pruned.relays} stopped relay row(s); dropped "
+            f"the bodies of {pruned.bodies} message(s) finished before {text(bodies_cutoff)}"
         )
 
 
@@ -204,6 +222,7 @@ class _Pruned:
     messages: int = 0
     events: int = 0
     relays: int = 0
+    bodies: int = 0
 
 
 def _prune_batches(
@@ -216,49 +235,62 @@ def _prune_batches(
     statuses: Sequence[str],
     unmatched_before: datetime,
     relays_before: datetime,
+    bodies_before: datetime,
     log: ops.LoggedAction,
     facts: dict[str, Any],
 ) -> None:
     """Delete messages batch by batch until a batch comes back short, then the unmatched
-    events received before ``unmatched_before``; each batch commits on its own with the
+    events received before ``unmatched_before``, then drop the bodies finished before
+    ``bodies_before`` (one pass along the ids); each batch commits on its own with the
     prune's log row brought up to date.
     Stopped part way, it says how many were deleted (running it again goes on)."""
     log_id: int | None = None
-    messages_done = False
+    phase = "messages"
+    after_id = 0
     try:
         with progress(expected, f"prune {expected} message(s)") as advance:
-            while True:
+            while phase != "done":
+                count = gone = dropped = 0
                 with engine.begin() as conn:
                     if log_id is None:  # the first batch: the stopped relays' rows, few
                         pruned.relays = ops.prune_stopped_relays(conn, before=relays_before)
-                    if not messages_done:
+                    if phase == "messages":
                         count, gone = ops.prune_messages(
                             conn, before=cutoff, limit=batch_size, statuses=statuses
                         )
-                    else:
-                        count, gone = (
-                            0,
-                            ops.prune_unmatched_events(
-                                conn, before=unmatched_before, limit=batch_size
-                            ),
+                        if count < batch_size:
+                            phase = "events"
+                    elif phase == "events":
+                        gone = ops.prune_unmatched_events(
+                            conn, before=unmatched_before, limit=batch_size
                         )
+                        if gone < batch_size:
+                            phase = "bodies"
+                    else:
+                        now = read_database_time(conn)
+                        dropped, last = ops.drop_bodies(
+                            conn, before=bodies_before, now=now, limit=batch_size,
+                            after_id=after_id,
+                        )  # fmt: skip
+                        if last is None:
+                            phase = "done"
+                        else:
+                            after_id = last
                     facts_now = detail(
                         **facts,
                         deleted=pruned.messages + count,
                         deleted_events=pruned.events + gone,
                         deleted_relays=pruned.relays,
+                        bodies_dropped=pruned.bodies + dropped,
                     )
                     log_id = ops.log_prune(conn, log_id, dataclasses.replace(log, detail=facts_now))
                 pruned.messages += count
                 pruned.events += gone
+                pruned.bodies += dropped
                 advance(count)
-                if messages_done and gone < batch_size:
-                    return
-                if not messages_done and count < batch_size:
-                    messages_done = True
     except (KeyboardInterrupt, sa.exc.DBAPIError) as exc:
         why = why_stopped(exc)
         raise Interrupted(
-            f"{why}: deleted {pruned.messages} message(s) before it stopped; run the command "
-            "again to delete the rest"
+            f"{why}: deleted {pruned.messages} message(s) and dropped the bodies of "
+            f"{pruned.bodies} before it stopped; run the command again to do the rest"
         ) from None

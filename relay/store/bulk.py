@@ -18,6 +18,7 @@ __all__ = [
     "CANCELLABLE",
     "REQUEUEABLE",
     "Filter",
+    "bodies_dropped",
     "cancel",
     "cancel_many",
     "count_messages",
@@ -36,28 +37,34 @@ CANCELLABLE = (Status.PENDING.value, Status.RETRYING.value)
 
 
 def _change_many(
-    conn: sa.Connection, ids: Sequence[int], allowed: Sequence[str], values: dict[str, Any]
+    conn: sa.Connection,
+    ids: Sequence[int],
+    allowed: Sequence[str],
+    values: dict[str, Any],
+    *also: sa.ColumnElement[bool],
 ) -> list[int]:
     """One guarded, set-based UPDATE of the rows among ``ids`` still in an ``allowed``
-    status; the ids it changed, ascending. Without RETURNING (MariaDB) the rows are locked
-    first (``FOR UPDATE``), so none moves between the SELECT and the UPDATE; a claim skips
-    them (``SKIP LOCKED``) rather than wait."""
+    status (and meeting ``also``); the ids it changed, ascending. Without RETURNING (MariaDB)
+    the rows are locked first (``FOR UPDATE``), so none moves between the SELECT and the
+    UPDATE; a claim skips them (``SKIP LOCKED``) rather than wait."""
     if not ids:
         return []
-    guard = (_m.c.id.in_(ids), _m.c.status.in_(allowed))
+    guard = (_m.c.id.in_(ids), _m.c.status.in_(allowed), *also)
     if conn.dialect.update_returning:
         changed = conn.execute(sa.update(_m).where(*guard).values(**values).returning(_m.c.id))
         return sorted(changed.scalars())
     locked = sorted(conn.execute(sa.select(_m.c.id).where(*guard).with_for_update()).scalars())
     if locked:
-        conn.execute(sa.update(_m).where(_m.c.id.in_(locked), guard[1]).values(**values))
+        conn.execute(sa.update(_m).where(_m.c.id.in_(locked), *guard[1:]).values(**values))
     return locked
 
 
 def requeue_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
     """unknown_outcome/failed -> pending, due now, with a fresh attempt budget; the ids
-    requeued (the others had moved on)."""
-    return _change_many(conn, ids, REQUEUEABLE, _requeued_values(now))
+    requeued (the others had moved on, or lost their body to prune meanwhile)."""
+    return _change_many(
+        conn, ids, REQUEUEABLE, _requeued_values(now), _m.c.body_dropped_at.is_(None)
+    )
 
 
 def cancel_many(conn: sa.Connection, *, ids: Sequence[int], now: datetime) -> list[int]:
@@ -88,6 +95,7 @@ class Filter:
     created_before: datetime | None = None
     created_after: datetime | None = None
     changed_before: datetime | None = None
+    with_body: bool = False  # only messages whose body prune has not dropped
 
 
 def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
@@ -110,6 +118,8 @@ def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
         clauses.append(_m.c.created_at >= f.created_after)
     if f.changed_before is not None:
         clauses.append(_m.c.updated_at < f.changed_before)
+    if f.with_body:
+        clauses.append(_m.c.body_dropped_at.is_(None))
     return clauses
 
 
@@ -161,6 +171,20 @@ def statuses_of(conn: sa.Connection, ids: Sequence[int]) -> dict[int, str]:
         chunk = ids[start : start + _IDS_PER_STATEMENT]
         rows = conn.execute(sa.select(_m.c.id, _m.c.status).where(_m.c.id.in_(chunk))).all()
         found.update((row.id, row.status) for row in rows)
+    return found
+
+
+def bodies_dropped(conn: sa.Connection, ids: Sequence[int]) -> dict[int, datetime]:
+    """When prune dropped the body of each of ``ids`` that lost it."""
+    found: dict[int, datetime] = {}
+    for start in range(0, len(ids), _IDS_PER_STATEMENT):
+        chunk = ids[start : start + _IDS_PER_STATEMENT]
+        rows = conn.execute(
+            sa.select(_m.c.id, _m.c.body_dropped_at).where(
+                _m.c.id.in_(chunk), _m.c.body_dropped_at.is_not(None)
+            )
+        ).all()
+        found.update((row.id, row.body_dropped_at) for row in rows)
     return found
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox.schema import (
+    TERMINAL,
     DeliveryStatus,
     OperatorAction,
     RelayState,
@@ -31,12 +32,15 @@ from outbox.schema import (
 )
 
 __all__ = [
+    "DROPPED_PAYLOAD",
     "LoggedAction",
     "actions_on",
     "add_suppressions",
+    "count_droppable_bodies",
     "count_prunable_events",
     "count_prunable_messages",
     "count_stopped_relays",
+    "drop_bodies",
     "events_of",
     "list_suppressions",
     "lock_for_change",
@@ -286,6 +290,54 @@ def prune_messages(
         sa.delete(messages).where(messages.c.id.in_(ids), messages.c.status.in_(statuses))
     )
     return int(result.rowcount), int(gone)
+
+
+def _droppable(before: datetime) -> list[sa.ColumnElement[bool]]:
+    """The bodies a prune drops: of finished messages last changed before ``before`` whose
+    body is still there. Never unknown_outcome (an operator may yet requeue it)."""
+    return [
+        messages.c.status.in_([s.value for s in TERMINAL]),
+        messages.c.updated_at < before,
+        messages.c.body_dropped_at.is_(None),
+    ]
+
+
+# What a dropped body becomes: an empty object (the column is NOT NULL), which is no email,
+# so a row that somehow came back to the queue would fail as invalid_payload, never be sent.
+DROPPED_PAYLOAD: dict[str, Any] = {}
+
+
+def count_droppable_bodies(conn: sa.Connection, *, before: datetime) -> int:
+    """How many bodies :func:`drop_bodies` with this cutoff would drop."""
+    stmt = sa.select(sa.func.count()).select_from(messages).where(*_droppable(before))
+    return int(conn.execute(stmt).scalar_one())
+
+
+def drop_bodies(
+    conn: sa.Connection, *, before: datetime, now: datetime, limit: int, after_id: int = 0
+) -> tuple[int, int | None]:
+    """Drop the payload of up to ``limit`` finished messages (ids above ``after_id``) last
+    changed before ``before``: (bodies dropped, the last id looked at, None when no row was
+    left). Rows another transaction holds are skipped (``SKIP LOCKED``), and the update
+    re-checks the status, so a row an operator requeued meanwhile keeps its body.
+    ``updated_at`` is left alone: the drop is not a change of the message's state."""
+    ids = list(
+        conn.execute(
+            sa.select(messages.c.id)
+            .where(messages.c.id > after_id, *_droppable(before))
+            .order_by(messages.c.id)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).scalars()
+    )
+    if not ids:
+        return 0, None
+    result = conn.execute(
+        sa.update(messages)
+        .where(messages.c.id.in_(ids), *_droppable(before))
+        .values(payload=DROPPED_PAYLOAD, body_dropped_at=now)
+    )
+    return int(result.rowcount), ids[-1]
 
 
 def prune_unmatched_events(conn: sa.Connection, *, before: datetime, limit: int) -> int:

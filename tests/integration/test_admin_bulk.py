@@ -389,8 +389,8 @@ def test_an_interrupted_prune_still_reports_json(backend):
         sa.event.remove(sa.Engine, "before_cursor_execute", interrupt)
     assert stopped.exit_code == 1, stopped.output
     assert stopped.stderr.strip() == (
-        "Error: interrupted: deleted 10 message(s) before it stopped; run the command again "
-        "to delete the rest"
+        "Error: interrupted: deleted 10 message(s) and dropped the bodies of 0 before it "
+        "stopped; run the command again to do the rest"
     )
     report = json.loads(stopped.stdout)
     assert (report["interrupted"], report["deleted"]) == ("interrupted", 10)

@@ -1,0 +1,107 @@
+"""outbox: body retention (when a finished message's payload was dropped)
+
+Revision ID: outbox_0005
+Revises: outbox_0004
+Create Date: 2026-12-05
+
+One nullable column with no default: on PostgreSQL, MariaDB 10.3+ and SQLite adding it changes
+only the catalog and rewrites no row. What could still stop the app's writes is the moment's
+exclusive lock the change needs: queued behind a long transaction that reads the table, it
+would make every write wait behind it. So the change waits at most a second for its lock
+(``lock_timeout`` on PostgreSQL, ``lock_wait_timeout`` on MariaDB), gives way when it cannot
+have it, and tries again, up to :data:`TRIES` times; MariaDB is told ``ALGORITHM=INSTANT``, so
+it fails rather than copy the table. See docs/operations, "Upgrading".
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects import mysql
+
+revision: str = "outbox_0005"
+down_revision: str | Sequence[str] | None = "outbox_0004"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+TRIES = 120  # each waits up to LOCK_WAIT, then a pause: about four minutes in all
+LOCK_WAIT = 1  # seconds the change may make the app's writes wait behind it
+PAUSE = 1.0  # seconds between tries, while the app's writes go through
+
+
+def _ts() -> sa.types.TypeEngine[datetime]:
+    return sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+
+
+def _lock_timed_out(exc: sa.exc.DBAPIError) -> bool:
+    """PostgreSQL's lock_not_available (lock_timeout) or MariaDB's lock wait timeout (1205)."""
+    orig = exc.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    args = getattr(orig, "args", ())
+    return code == "55P03" or bool(args and args[0] == 1205)
+
+
+def _briefly(bind: sa.Connection, change: Callable[[], None]) -> None:
+    """Run ``change`` holding its lock only a moment: retried while a transaction holds the
+    table (the app's writes go on in between); an error naming the table after the last try."""
+    dialect = bind.dialect.name
+    if dialect == "postgresql":
+        before = bind.exec_driver_sql("SHOW lock_timeout").scalar_one()
+    elif dialect in ("mysql", "mariadb"):
+        before = bind.exec_driver_sql("SELECT @@SESSION.lock_wait_timeout").scalar_one()
+    else:
+        change()
+        return
+    for attempt in range(1, TRIES + 1):
+        try:
+            if dialect == "postgresql":
+                # a timed-out try rolls back to its savepoint, SET LOCAL with it
+                with bind.begin_nested():
+                    bind.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}s'")
+                    change()
+                    bind.execute(
+                        sa.text("SELECT set_config('lock_timeout', :v, true)"), {"v": before}
+                    )
+            else:
+                bind.exec_driver_sql(f"SET SESSION lock_wait_timeout = {LOCK_WAIT}")
+                try:
+                    change()
+                finally:
+                    bind.exec_driver_sql(f"SET SESSION lock_wait_timeout = {int(before)}")
+            return
+        except sa.exc.DBAPIError as exc:
+            if not _lock_timed_out(exc):
+                raise
+            if attempt == TRIES:
+                raise _held(attempt) from exc
+        time.sleep(PAUSE)
+
+
+def _held(tries: int) -> Exception:
+    return RuntimeError(
+        f"outbox_0005: could not lock outbox_messages for a moment in {tries} tries: a "
+        "long transaction keeps reading or writing it; end it (pg_stat_activity, SHOW "
+        "PROCESSLIST) and run the upgrade again"
+    )
+
+
+def upgrade() -> None:
+    bind = op.get_bind()
+    if bind.dialect.name in ("mysql", "mariadb"):
+        _briefly(
+            bind,
+            lambda: op.execute(
+                "ALTER TABLE outbox_messages ADD COLUMN body_dropped_at DATETIME(6) NULL,"
+                " ALGORITHM=INSTANT"
+            ),
+        )
+    else:
+        _briefly(
+            bind, lambda: op.add_column("outbox_messages", sa.Column("body_dropped_at", _ts()))
+        )
+
+
+def downgrade() -> None:
+    op.drop_column("outbox_messages", "body_dropped_at")
