@@ -19,9 +19,12 @@ from outbox.schema import attempts, messages
 from relay import store
 from relay.admin.output import text
 from relay.cli import main
+from relay.events import parse
+from relay.intake import apply_events
 from relay.store import operator as ops
 from relay.testing import FakeSender
 from tests.support.inprocess import Run, relay_for
+from tests.support.sqs import ses_event, sns_body
 
 OB = Outbox()
 OLD = datetime.now(UTC) - timedelta(days=10)
@@ -260,3 +263,41 @@ def test_a_bodiless_row_forced_back_into_the_queue_fails_unsent(backend):
     assert sender.called_ids == []
     after = row(engine, row_id)
     assert (after["status"], after["last_error_code"]) == ("failed", "invalid_payload")
+
+
+def test_a_late_complaint_still_suppresses_its_addresses_after_the_body_is_dropped(backend):
+    """Complaints come days or weeks after the send: with the body gone, the event still
+    matches its row, raises its delivery status and suppresses exactly the addresses the
+    message went to (To, Cc, Bcc, display names aside), read from the kept recipients."""
+    engine, url = backend.engine, backend.url
+    with Session(engine) as session:
+        row_id = OB.enqueue(
+            session,
+            Email(
+                sender="shop@example.com",
+                to=['"Doe, Jane" <Jane@Example.com>'],
+                cc=["cc@example.com"],
+                bcc=["hidden@example.com"],
+                subject="S",
+                text="t",
+            ),
+            key="complained",
+        ).id
+        session.commit()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == row_id)
+            .values(**{**SENT, "provider_message_id": "ses-late"})
+        )
+    assert cli(url, "prune", "--older-than", "30d", "--keep-bodies", "0").exit_code == 0
+    assert row(engine, row_id)["payload"] == {}
+    complaint = ses_event("notification_complaint", provider_id="ses-late", to="jane@example.com")
+    complaint["complaint"]["complainedRecipients"] += [
+        {"emailAddress": a} for a in ("CC@example.com", "hidden@example.com", "doe@example.com")
+    ]
+    with engine.begin() as conn:
+        (done,) = apply_events(conn, [parse(sns_body(complaint))], now=datetime.now(UTC))
+    assert done.effect.value == "status"
+    assert done.suppressed == ("cc@example.com", "hidden@example.com", "jane@example.com")
+    assert row(engine, row_id)["delivery_status"] == "complained"
