@@ -130,7 +130,13 @@ def prune(
             unmatched_cutoff = now - unmatched_events_older_than
             relays_cutoff = now - stopped_relays_older_than
             bodies_cutoff = now - keep_bodies
-            bodies = ops.count_droppable_bodies(conn, before=bodies_cutoff) if dry_run else 0
+            bodies = (
+                ops.count_droppable_bodies(
+                    conn, before=bodies_cutoff, pruned_before=cutoff, statuses=statuses
+                )
+                if dry_run
+                else 0
+            )
             stopped_relays = ops.count_stopped_relays(conn, before=relays_cutoff) if dry_run else 0
             matched = (
                 ops.count_prunable_messages(conn, before=cutoff, statuses=statuses)

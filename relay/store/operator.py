@@ -307,9 +307,16 @@ def _droppable(before: datetime) -> list[sa.ColumnElement[bool]]:
 DROPPED_PAYLOAD: dict[str, Any] = {}
 
 
-def count_droppable_bodies(conn: sa.Connection, *, before: datetime) -> int:
-    """How many bodies :func:`drop_bodies` with this cutoff would drop."""
-    stmt = sa.select(sa.func.count()).select_from(messages).where(*_droppable(before))
+def count_droppable_bodies(
+    conn: sa.Connection, *, before: datetime, pruned_before: datetime, statuses: Sequence[str]
+) -> int:
+    """How many bodies :func:`drop_bodies` with this cutoff would drop after a prune with
+    these (whose rows go whole, and are not counted here)."""
+    stmt = (
+        sa.select(sa.func.count())
+        .select_from(messages)
+        .where(*_droppable(before), sa.not_(sa.and_(*_prunable(pruned_before, statuses))))
+    )
     return int(conn.execute(stmt).scalar_one())
 
 
