@@ -43,20 +43,31 @@ def _lock_timed_out(exc: sa.exc.DBAPIError) -> bool:
     return code == "55P03" or bool(args and args[0] == 1205)
 
 
-def _briefly(bind: sa.Connection, change: Callable[[], None]) -> None:
+def _briefly(bind: sa.Connection, change: Callable[[], None], *, offline: bool = False) -> None:
     """Run ``change`` holding its lock only a moment: retried while a transaction holds the
-    table (the app's writes go on in between); an error naming the table after the last try."""
+    table (the app's writes go on in between); an error naming the table after the last try.
+    Offline (``alembic upgrade --sql``) the script gets the same bound, without the retries."""
     dialect = bind.dialect.name
-    if dialect == "postgresql":
-        before = bind.exec_driver_sql("SHOW lock_timeout").scalar_one()
-    elif dialect in ("mysql", "mariadb"):
-        before = bind.exec_driver_sql("SELECT @@SESSION.lock_wait_timeout").scalar_one()
-    else:
+    if dialect not in ("postgresql", "mysql", "mariadb"):
         change()
         return
+    if offline:
+        if dialect == "postgresql":
+            op.execute(f"SET lock_timeout = '{LOCK_WAIT}s'")
+            change()
+            op.execute("RESET lock_timeout")
+        else:
+            op.execute(f"SET SESSION lock_wait_timeout = {LOCK_WAIT}")
+            change()
+        return
+    if dialect == "postgresql":
+        setting, before = "lock_timeout", bind.exec_driver_sql("SHOW lock_timeout").scalar_one()
+    else:
+        setting = "lock_wait_timeout"
+        before = bind.exec_driver_sql("SELECT @@SESSION.lock_wait_timeout").scalar_one()
     for attempt in range(1, TRIES + 1):
         try:
-            if dialect == "postgresql":
+            if dialect == "postgresql" and not _autocommit(bind):
                 # a timed-out try rolls back to its savepoint, SET LOCAL with it
                 with bind.begin_nested():
                     bind.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}s'")
@@ -64,12 +75,12 @@ def _briefly(bind: sa.Connection, change: Callable[[], None]) -> None:
                     bind.execute(
                         sa.text("SELECT set_config('lock_timeout', :v, true)"), {"v": before}
                     )
-            else:
-                bind.exec_driver_sql(f"SET SESSION lock_wait_timeout = {LOCK_WAIT}")
+            else:  # MariaDB (its DDL commits by itself), or a connection in autocommit
+                _set(bind, setting, f"{LOCK_WAIT}s" if dialect == "postgresql" else LOCK_WAIT)
                 try:
                     change()
                 finally:
-                    bind.exec_driver_sql(f"SET SESSION lock_wait_timeout = {int(before)}")
+                    _set(bind, setting, before)
             return
         except sa.exc.DBAPIError as exc:
             if not _lock_timed_out(exc):
@@ -77,6 +88,19 @@ def _briefly(bind: sa.Connection, change: Callable[[], None]) -> None:
             if attempt == TRIES:
                 raise _held(attempt) from exc
         time.sleep(PAUSE)
+
+
+def _autocommit(bind: sa.Connection) -> bool:
+    """Whether the driver commits each statement (no transaction, so no savepoint)."""
+    return bool(getattr(bind.connection.dbapi_connection, "autocommit", False))
+
+
+def _set(bind: sa.Connection, setting: str, value: object) -> None:
+    """The session's ``setting`` (PostgreSQL takes no parameter in SET: set_config)."""
+    if bind.dialect.name == "postgresql":
+        bind.execute(sa.text("SELECT set_config(:s, :v, false)"), {"s": setting, "v": str(value)})
+    else:
+        bind.exec_driver_sql(f"SET SESSION {setting} = {int(str(value))}")
 
 
 def _held(tries: int) -> Exception:
@@ -96,12 +120,29 @@ def upgrade() -> None:
                 "ALTER TABLE outbox_messages ADD COLUMN body_dropped_at DATETIME(6) NULL,"
                 " ALGORITHM=INSTANT"
             ),
+            offline=op.get_context().as_sql,
         )
     else:
         _briefly(
-            bind, lambda: op.add_column("outbox_messages", sa.Column("body_dropped_at", _ts()))
+            bind,
+            lambda: op.add_column("outbox_messages", sa.Column("body_dropped_at", _ts())),
+            offline=op.get_context().as_sql,
         )
 
 
 def downgrade() -> None:
-    op.drop_column("outbox_messages", "body_dropped_at")
+    bind = op.get_bind()
+    if bind.dialect.name in ("mysql", "mariadb"):
+        _briefly(
+            bind,
+            lambda: op.execute(
+                "ALTER TABLE outbox_messages DROP COLUMN body_dropped_at, ALGORITHM=INSTANT"
+            ),
+            offline=op.get_context().as_sql,
+        )
+    else:
+        _briefly(
+            bind,
+            lambda: op.drop_column("outbox_messages", "body_dropped_at"),
+            offline=op.get_context().as_sql,
+        )

@@ -4,7 +4,9 @@ the table (the change gives way and tries again)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
 
 from outbox import Category, Email, migrations
 from outbox.enqueue import build_row
@@ -201,3 +204,55 @@ def test_the_change_gives_up_with_a_line_naming_the_table_when_the_lock_never_co
         finally:
             holder.end()
             engine.dispose()
+
+
+def test_the_downgrade_waits_out_a_long_transaction_the_same_way(server_backend, tmp_path):
+    with fresh_database(server_backend, tmp_path, "live") as url:
+        migrations.upgrade(url)
+        engine = sa.create_engine(url, pool_size=5)
+        try:
+            writer = Writer(engine)
+            writer.start()
+            time.sleep(0.3)
+            holder = Holder(engine)
+            timer = threading.Timer(HELD, holder.end)
+            timer.start()
+            try:
+                migrations.downgrade(url, BEFORE)
+            finally:
+                timer.join()
+                writer.stop.set()
+                writer.join(10)
+            assert writer.errors == []
+            assert len(writer.waits) > 20
+            assert max(writer.waits) < 2.5, sorted(writer.waits)[-5:]
+            with engine.connect() as conn:
+                assert "body_dropped_at" not in columns(conn)
+        finally:
+            engine.dispose()
+
+
+def test_the_upgrade_runs_on_a_connection_in_autocommit(backend, old_url):
+    engine = sa.create_engine(old_url)
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            migrations.upgrade(conn)
+        with engine.connect() as conn:
+            assert "body_dropped_at" in columns(conn)
+            if backend.name == "postgresql":  # the session setting did not leak into the pool
+                assert conn.exec_driver_sql("SHOW lock_timeout").scalar_one() == "0"
+    finally:
+        engine.dispose()
+
+
+def test_the_upgrade_renders_as_sql_for_a_dba_with_the_same_lock_bound(server_backend):
+    """``alembic upgrade --sql`` (offline): the script sets the lock wait before the change."""
+    config = migrations.alembic_config(server_backend.url)
+    out = io.StringIO()
+    config.stdout = out
+    with contextlib.redirect_stdout(out):
+        command.upgrade(config, f"{BEFORE}:outbox_0005", sql=True)
+    script = out.getvalue()
+    wait = "lock_timeout = '1s'" if server_backend.name == "postgresql" else "lock_wait_timeout = 1"
+    assert wait in script
+    assert script.index(wait) < script.index("body_dropped_at")
