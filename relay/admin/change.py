@@ -33,10 +33,11 @@ def _select(
     verb: str,
     *,
     needs_body: bool,
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
     """The ids a command will change; refuses, changing nothing, if any given id is unknown or
     in a status the command cannot change, or (``needs_body``: it would be sent again) lost its
-    body to prune. Filters leave such messages out, with a line on stderr."""
+    body to prune. Filters leave such messages out, with a line on stderr: (the ids to change,
+    the ids left out so)."""
     allowed = tuple(allowed)
     if ids:
         found = store.statuses_of(conn, ids)
@@ -54,7 +55,7 @@ def _select(
                 f"cannot {verb} {some(map(str, sorted(dropped)))}: prune dropped the body "
                 "(--keep-bodies), so there is nothing to send; `outbox-relay show` says when"
             )
-        return list(ids)
+        return list(ids), []
     statuses = flt.statuses or allowed
     bad = [s for s in statuses if s not in allowed]
     if bad:
@@ -62,14 +63,18 @@ def _select(
             f"cannot {verb} {', '.join(bad)} messages", param_hint="'--status'"
         )
     chosen = store.Filter(**{**_fields(flt), "statuses": tuple(statuses)})
-    kept = store.message_ids(conn, dataclasses.replace(chosen, with_body=needs_body))
-    if needs_body and (bodiless := store.count_messages(conn, chosen) - len(kept)) > 0:
+    matching = store.message_ids(conn, chosen)
+    if not needs_body:
+        return matching, []
+    kept = store.message_ids(conn, dataclasses.replace(chosen, with_body=True))
+    left_out = sorted(set(matching) - set(kept))
+    if left_out:
         click.echo(
-            f"{bodiless} matching message(s) left out: prune dropped their bodies "
+            f"{len(left_out)} matching message(s) left out: prune dropped their bodies "
             "(--keep-bodies), so there is nothing to send",
             err=True,
         )
-    return kept
+    return kept, left_out
 
 
 def _fields(flt: store.Filter) -> dict[str, Any]:
@@ -103,13 +108,11 @@ def _change(
     flt = options.to_filter(**filters)
     with options.database(database_url) as engine:
         with engine.connect() as conn:
-            chosen = sorted(
-                set(
-                    _select(
-                        conn, ids, flt, allowed, verb, needs_body=action is OperatorAction.REQUEUE
-                    )
-                )
+            found, left_out = _select(
+                conn, ids, flt, allowed, verb, needs_body=action is OperatorAction.REQUEUE
             )
+            chosen = sorted(set(found))
+        bodiless = {"left_out_bodiless_ids": left_out} if left_out else {}
         if not ids and not yes:
             raise click.UsageError(f"{len(chosen)} messages match; add --yes to {verb} them all")
         try:
@@ -132,6 +135,7 @@ def _change(
                             done_as: len(stopped.done),
                             f"{done_as}_ids": stopped.done,
                             "unchanged_ids": stopped.unchanged,
+                            **bodiless,
                         }
                     )
                 )
@@ -147,6 +151,7 @@ def _change(
                     "moved_meanwhile": len(left),
                     f"{done_as}_ids": done,
                     "moved_meanwhile_ids": left,
+                    **bodiless,
                 }
             )
         )

@@ -17,7 +17,7 @@ from outbox.schema import Status, utcnow
 from relay import store
 from relay.cli_options import first_line, open_database, option
 
-__all__ = ["DURATION", "actor", "database", "filters", "parse_duration", "to_filter"]
+__all__ = ["DURATION", "KEEP", "actor", "database", "filters", "parse_duration", "to_filter"]
 
 _DURATION_PARTS = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -54,6 +54,24 @@ class _Duration(click.ParamType[timedelta]):
 
 
 DURATION = _Duration()
+
+
+class _Keep(click.ParamType[timedelta | None]):
+    """A duration, or ``never`` (None)."""
+
+    name = "DURATION|never"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> timedelta | None:
+        if value is None or isinstance(value, timedelta):
+            return value
+        if str(value).strip().lower() == "never":
+            return None
+        return DURATION.convert(value, param, ctx)
+
+
+KEEP = _Keep()
 
 
 def filters(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -42,6 +42,20 @@ def _prunable_statuses(include_unknown_outcome: bool) -> tuple[str, ...]:
     return tuple(statuses)
 
 
+def _seconds(keep: timedelta | None) -> float | None:
+    return None if keep is None else keep.total_seconds()
+
+
+def _horizons(bodies_before: datetime | None, failed_before: datetime | None) -> str:
+    """Which finished messages lose their body, in words."""
+    said = [
+        f"{which} finished before {text(cutoff)}" if cutoff is not None else f"{which}: never"
+        for which, cutoff in (("sent, cancelled, expired", bodies_before),
+                              ("failed", failed_before))
+    ]  # fmt: skip
+    return "; ".join(said)
+
+
 @click.command()
 @database_url
 @option(
@@ -72,11 +86,18 @@ def _prunable_statuses(include_unknown_outcome: bool) -> tuple[str, ...]:
 )
 @option(
     "--keep-bodies",
-    type=options.DURATION,
+    type=options.KEEP,
     default="7d",
-    help="Drop the body (the payload: html, text, attachments, headers) of finished messages "
-    "last changed longer ago than this, keeping the row, its key and its history; 0: every "
-    "finished message's. A message without its body cannot be requeued.",
+    help="Drop the body (the payload: html, text, attachments, headers) of sent, cancelled "
+    "and expired messages last changed longer ago than this, keeping the row, its key and its "
+    "history; 0: at once; never: keep them.",
+)
+@option(
+    "--keep-failed-bodies",
+    type=options.KEEP,
+    default="30d",
+    help="The same for failed messages, which can be requeued only while they keep their "
+    "body (once the cause is fixed); 0: at once; never: keep them.",
 )
 @click.option(
     "--batch-size",
@@ -100,8 +121,8 @@ def _prunable_statuses(include_unknown_outcome: bool) -> tuple[str, ...]:
 def prune(
     database_url: str, older_than: timedelta, dedup_window: timedelta,
     unmatched_events_older_than: timedelta, stopped_relays_older_than: timedelta,
-    keep_bodies: timedelta, batch_size: int, include_unknown_outcome: bool, dry_run: bool,
-    actor: str, as_json: bool,
+    keep_bodies: timedelta | None, keep_failed_bodies: timedelta | None, batch_size: int,
+    include_unknown_outcome: bool, dry_run: bool, actor: str, as_json: bool,
 ) -> None:  # fmt: skip
     """Delete finished messages (sent, resolved as delivered, failed, cancelled, expired),
     their attempts and their events, older than the cutoff; and events matched to no message
@@ -113,6 +134,12 @@ def prune(
     --include-unknown-outcome. The operators' log is never pruned; the prune itself is
     written to it (one row, its counts and cutoff). Deletes in batches of --batch-size, each
     its own short transaction; a progress bar shows on a terminal.
+
+    Then the bodies of the finished messages it kept are dropped: of sent, cancelled and
+    expired ones last changed longer ago than --keep-bodies (7 days), of failed ones after
+    --keep-failed-bodies (30 days). Their rows, keys, recipients, subjects and histories stay
+    until the rows are pruned, and `show` says when the body went. A message without its body
+    cannot be requeued.
     """
     clamped = older_than < dedup_window
     statuses = _prunable_statuses(include_unknown_outcome)
@@ -129,10 +156,15 @@ def prune(
             cutoff = now - max(older_than, dedup_window)
             unmatched_cutoff = now - unmatched_events_older_than
             relays_cutoff = now - stopped_relays_older_than
-            bodies_cutoff = now - keep_bodies
+            bodies_cutoff = None if keep_bodies is None else now - keep_bodies
+            failed_cutoff = None if keep_failed_bodies is None else now - keep_failed_bodies
             bodies = (
                 ops.count_droppable_bodies(
-                    conn, before=bodies_cutoff, pruned_before=cutoff, statuses=statuses
+                    conn,
+                    before=bodies_cutoff,
+                    failed_before=failed_cutoff,
+                    pruned_before=cutoff,
+                    statuses=statuses,
                 )
                 if dry_run
                 else 0
@@ -158,7 +190,9 @@ def prune(
             "unmatched_events_older_than_seconds": unmatched_events_older_than.total_seconds(),
             "stopped_relays_older_than_seconds": stopped_relays_older_than.total_seconds(),
             "bodies_cutoff": bodies_cutoff,
-            "keep_bodies_seconds": keep_bodies.total_seconds(),
+            "failed_bodies_cutoff": failed_cutoff,
+            "keep_bodies_seconds": _seconds(keep_bodies),
+            "keep_failed_bodies_seconds": _seconds(keep_failed_bodies),
             "include_unknown_outcome": include_unknown_outcome,
         }
         interrupted: Interrupted | None = None
@@ -169,6 +203,7 @@ def prune(
                     engine, pruned, cutoff, batch_size, matched or 0,
                     statuses=statuses, unmatched_before=unmatched_cutoff,
                     relays_before=relays_cutoff, bodies_before=bodies_cutoff,
+                    failed_bodies_before=failed_cutoff,
                     log=ops.LoggedAction(at=now, actor=actor, action=OperatorAction.PRUNE),
                     facts=facts,
                 )  # fmt: skip
@@ -211,13 +246,14 @@ def prune(
         click.echo(
             f"would delete {matched} message(s) created before {text(cutoff)}, and "
             f"{matched_events} event(s), and {stopped_relays} stopped relay row(s); would "
-            f"drop the bodies of {bodies} message(s) finished before {text(bodies_cutoff)}"
+            f"drop the bodies of {bodies} message(s) ({_horizons(bodies_cutoff, failed_cutoff)})"
         )
     else:
         click.echo(
             f"deleted {pruned.messages} message(s) created before {text(cutoff)}, and "
             f"{pruned.events} event(s), and {pruned.relays} stopped relay row(s); dropped "
-            f"the bodies of {pruned.bodies} message(s) finished before {text(bodies_cutoff)}"
+            f"the bodies of {pruned.bodies} message(s) "
+            f"({_horizons(bodies_cutoff, failed_cutoff)})"
         )
 
 
@@ -241,7 +277,8 @@ def _prune_batches(
     statuses: Sequence[str],
     unmatched_before: datetime,
     relays_before: datetime,
-    bodies_before: datetime,
+    bodies_before: datetime | None,
+    failed_bodies_before: datetime | None,
     log: ops.LoggedAction,
     facts: dict[str, Any],
 ) -> None:
@@ -275,8 +312,8 @@ def _prune_batches(
                     else:
                         now = read_database_time(conn)
                         dropped, last = ops.drop_bodies(
-                            conn, before=bodies_before, now=now, limit=batch_size,
-                            after_id=after_id,
+                            conn, before=bodies_before, failed_before=failed_bodies_before,
+                            now=now, limit=batch_size, after_id=after_id,
                         )  # fmt: skip
                         if last is None:
                             phase = "done"

@@ -292,14 +292,21 @@ def prune_messages(
     return int(result.rowcount), int(gone)
 
 
-def _droppable(before: datetime) -> list[sa.ColumnElement[bool]]:
-    """The bodies a prune drops: of finished messages last changed before ``before`` whose
-    body is still there. Never unknown_outcome (an operator may yet requeue it)."""
-    return [
-        messages.c.status.in_([s.value for s in TERMINAL]),
-        messages.c.updated_at < before,
-        messages.c.body_dropped_at.is_(None),
+_DONE_WITH = tuple(s.value for s in TERMINAL if s is not Status.FAILED)  # never requeued
+
+
+def _droppable(
+    before: datetime | None, failed_before: datetime | None
+) -> list[sa.ColumnElement[bool]]:
+    """The bodies a prune drops: of sent, cancelled and expired messages last changed before
+    ``before``, and of failed ones (which an operator may requeue once the cause is fixed)
+    before ``failed_before``; None: none of those. Never of unknown_outcome or queued rows."""
+    finished = [
+        sa.and_(messages.c.status.in_(statuses), messages.c.updated_at < cutoff)
+        for statuses, cutoff in ((_DONE_WITH, before), ((Status.FAILED.value,), failed_before))
+        if cutoff is not None
     ]
+    return [sa.or_(sa.false(), *finished), messages.c.body_dropped_at.is_(None)]
 
 
 # What a dropped body becomes: an empty object (the column is NOT NULL), which is no email,
@@ -308,30 +315,46 @@ DROPPED_PAYLOAD: dict[str, Any] = {}
 
 
 def count_droppable_bodies(
-    conn: sa.Connection, *, before: datetime, pruned_before: datetime, statuses: Sequence[str]
+    conn: sa.Connection,
+    *,
+    before: datetime | None,
+    failed_before: datetime | None,
+    pruned_before: datetime,
+    statuses: Sequence[str],
 ) -> int:
-    """How many bodies :func:`drop_bodies` with this cutoff would drop after a prune with
+    """How many bodies :func:`drop_bodies` with these cutoffs would drop after a prune with
     these (whose rows go whole, and are not counted here)."""
     stmt = (
         sa.select(sa.func.count())
         .select_from(messages)
-        .where(*_droppable(before), sa.not_(sa.and_(*_prunable(pruned_before, statuses))))
+        .where(
+            *_droppable(before, failed_before),
+            sa.not_(sa.and_(*_prunable(pruned_before, statuses))),
+        )
     )
     return int(conn.execute(stmt).scalar_one())
 
 
 def drop_bodies(
-    conn: sa.Connection, *, before: datetime, now: datetime, limit: int, after_id: int = 0
+    conn: sa.Connection,
+    *,
+    before: datetime | None,
+    failed_before: datetime | None,
+    now: datetime,
+    limit: int,
+    after_id: int = 0,
 ) -> tuple[int, int | None]:
     """Drop the payload of up to ``limit`` finished messages (ids above ``after_id``) last
-    changed before ``before``: (bodies dropped, the last id looked at, None when no row was
-    left). Rows another transaction holds are skipped (``SKIP LOCKED``), and the update
-    re-checks the status, so a row an operator requeued meanwhile keeps its body.
-    ``updated_at`` is left alone: the drop is not a change of the message's state."""
+    changed before the cutoffs (:func:`_droppable`): (bodies dropped, the last id looked at,
+    None when no row was left). Rows another transaction holds are skipped (``SKIP
+    LOCKED``), and the update re-checks the status, so a row an operator requeued meanwhile
+    keeps its body. ``updated_at`` is left alone: the drop is not a change of the message's
+    state."""
+    droppable = _droppable(before, failed_before)
     ids = list(
         conn.execute(
             sa.select(messages.c.id)
-            .where(messages.c.id > after_id, *_droppable(before))
+            .where(messages.c.id > after_id, *droppable)
             .order_by(messages.c.id)
             .limit(limit)
             .with_for_update(skip_locked=True)
@@ -341,7 +364,7 @@ def drop_bodies(
         return 0, None
     result = conn.execute(
         sa.update(messages)
-        .where(messages.c.id.in_(ids), *_droppable(before))
+        .where(messages.c.id.in_(ids), *droppable)
         .values(payload=DROPPED_PAYLOAD, body_dropped_at=now)
     )
     return int(result.rowcount), ids[-1]

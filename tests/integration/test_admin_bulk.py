@@ -416,6 +416,7 @@ def test_prune_says_when_the_dedup_window_clamps_and_reports_json(backend):
         "would_delete_relays": 0,
         "would_drop_bodies": 0,  # the three it deletes are not counted again
         "keep_bodies_seconds": 7 * 86400.0,
+        "keep_failed_bodies_seconds": 30 * 86400.0,
         "include_unknown_outcome": False,
         "older_than_seconds": 1.0,
         "dedup_window_seconds": 30 * 86400.0,

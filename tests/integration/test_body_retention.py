@@ -87,13 +87,14 @@ def test_prune_drops_only_finished_bodies_past_the_horizon_and_keeps_the_rest(ba
         )  # fmt: skip
     before = {i: row(engine, i) for i in [*finished.values(), *kept.values()]}
 
-    dry = cli(url, "prune", "--older-than", "30d", "--keep-bodies", "7d", "--dry-run", "--json")
+    dry = cli(url, "prune", "--older-than", "30d", "--keep-bodies", "7d",
+              "--keep-failed-bodies", "7d", "--dry-run", "--json")  # fmt: skip
     assert dry.exit_code == 0, dry.output
     assert json.loads(dry.stdout)["would_drop_bodies"] == 4
     assert all(row(engine, i)["body_dropped_at"] is None for i in finished.values())
 
-    done = cli(url, "prune", "--older-than", "30d", "--keep-bodies", "7d", "--batch-size", "3",
-               "--json")  # fmt: skip
+    done = cli(url, "prune", "--older-than", "30d", "--keep-bodies", "7d",
+               "--keep-failed-bodies", "7d", "--batch-size", "3", "--json")  # fmt: skip
     assert done.exit_code == 0, done.output
     report = json.loads(done.stdout)
     assert (report["bodies_dropped"], report["deleted"]) == (4, 0)
@@ -123,6 +124,34 @@ def test_prune_drops_only_finished_bodies_past_the_horizon_and_keeps_the_rest(ba
             "SELECT detail FROM outbox_operator_actions WHERE action = 'prune' ORDER BY id"
         )).scalars().all()  # fmt: skip
     assert [json.loads(d)["bodies_dropped"] for d in logged] == [4, 0, 1]
+
+
+def test_failed_messages_keep_their_body_longer_by_default_and_never_means_never(backend):
+    """A failed message is requeued once its cause is fixed, so by default its body stays
+    30 days, not 7; ``never`` keeps either kind."""
+    engine, url = backend.engine, backend.url
+    days = {d: datetime.now(UTC) - timedelta(days=d) for d in (10, 40)}
+    sent = enqueue(engine, "sent-10", **{**SENT, "updated_at": days[10]})
+    failed = {
+        d: enqueue(engine, f"failed-{d}", **{**SENT, "status": "failed", "updated_at": at})
+        for d, at in days.items()
+    }
+    kept = cli(url, "prune", "--older-than", "60d", "--keep-bodies", "never",
+               "--keep-failed-bodies", "never", "--json")  # fmt: skip
+    assert kept.exit_code == 0, kept.output
+    report = json.loads(kept.stdout)
+    assert report["bodies_dropped"] == 0
+    assert (report["keep_bodies_seconds"], report["bodies_cutoff"]) == (None, None)
+    done = cli(url, "prune", "--older-than", "60d", "--json")
+    assert json.loads(done.stdout)["bodies_dropped"] == 2
+    assert json.loads(done.stdout)["keep_failed_bodies_seconds"] == 30 * 86400
+    dropped = {i for i in (sent, *failed.values()) if row(engine, i)["body_dropped_at"]}
+    assert dropped == {sent, failed[40]}
+    plain = cli(url, "prune", "--older-than", "60d", "--keep-bodies", "never")
+    assert "(sent, cancelled, expired: never; failed finished before" in plain.stdout
+    bad = cli(url, "prune", "--older-than", "60d", "--keep-failed-bodies", "sometimes")
+    assert bad.exit_code == 2
+    assert "--keep-failed-bodies" in bad.stderr
 
 
 def test_the_key_still_dedupes_after_its_body_is_dropped(backend):
@@ -165,7 +194,8 @@ def test_a_message_without_its_body_is_never_requeued(backend):
     dropped = enqueue(engine, "failed-old", **{**SENT, "status": "failed"})
     whole = enqueue(engine, "failed-new", **{**SENT, "status": "failed",
                                              "updated_at": datetime.now(UTC)})  # fmt: skip
-    assert cli(url, "prune", "--older-than", "30d", "--keep-bodies", "7d").exit_code == 0
+    pruned = cli(url, "prune", "--older-than", "30d", "--keep-failed-bodies", "7d")
+    assert pruned.exit_code == 0, pruned.output
 
     by_id = cli(url, "requeue", str(dropped))
     assert by_id.exit_code == 1
@@ -174,7 +204,8 @@ def test_a_message_without_its_body_is_never_requeued(backend):
 
     by_filter = cli(url, "requeue", "--status", "failed", "--yes", "--json")
     assert by_filter.exit_code == 0, by_filter.output
-    assert json.loads(by_filter.stdout)["requeued_ids"] == [whole]
+    report = json.loads(by_filter.stdout)
+    assert (report["requeued_ids"], report["left_out_bodiless_ids"]) == ([whole], [dropped])
     assert "1 matching message(s) left out: prune dropped their bodies" in by_filter.stderr
 
     with engine.begin() as conn:  # the store's own guard, whatever the command checked
@@ -227,8 +258,11 @@ def test_a_requeue_waiting_on_the_drop_finds_the_body_gone_and_changes_nothing(s
     row_id = enqueue(engine, "racing", **{**SENT, "status": "failed"})
     done: list[list[int]] = []
     with engine.begin() as conn:
-        assert ops.drop_bodies(conn, before=datetime.now(UTC), now=datetime.now(UTC),
-                               limit=10) == (1, row_id)  # fmt: skip
+        now = datetime.now(UTC)
+        assert ops.drop_bodies(conn, before=now, failed_before=now, now=now, limit=10) == (
+            1,
+            row_id,
+        )
 
         def requeue() -> None:
             with engine.begin() as other:
