@@ -200,8 +200,20 @@ def get_message(
 
 
 def recent_payloads(conn: sa.Connection, *, limit: int = 1000) -> list[Any]:
-    """The payloads of the newest ``limit`` messages, newest first: where ``doctor`` finds the
-    From addresses and configuration sets in use (read back along the primary key, so its
-    cost does not grow with the table)."""
-    stmt = sa.select(_m.c.payload).order_by(_m.c.id.desc()).limit(limit)
+    """The payloads of the newest ``limit`` messages that still have their body, newest
+    first: where ``doctor`` finds the From addresses and configuration sets in use. Read back
+    along the primary key among the newest ``10 * limit`` rows, so its cost does not grow
+    with the table, even when prune has dropped every body (``--keep-bodies 0``)."""
+    newest = (
+        sa.select(_m.c.id, _m.c.payload, _m.c.body_dropped_at)
+        .order_by(_m.c.id.desc())
+        .limit(10 * limit)
+        .subquery()
+    )
+    stmt = (
+        sa.select(newest.c.payload)
+        .where(newest.c.body_dropped_at.is_(None))
+        .order_by(newest.c.id.desc())
+        .limit(limit)
+    )
     return list(conn.execute(stmt).scalars())

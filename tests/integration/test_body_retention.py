@@ -19,6 +19,7 @@ from outbox.schema import attempts, messages
 from relay import store
 from relay.admin.output import text
 from relay.cli import main
+from relay.doctor import identities_in_use
 from relay.events import parse
 from relay.intake import apply_events
 from relay.store import operator as ops
@@ -335,3 +336,17 @@ def test_a_late_complaint_still_suppresses_its_addresses_after_the_body_is_dropp
     assert done.effect.value == "status"
     assert done.suppressed == ("cc@example.com", "hidden@example.com", "jane@example.com")
     assert row(engine, row_id)["delivery_status"] == "complained"
+
+
+def test_doctor_finds_the_from_address_among_the_rows_that_kept_their_body(backend):
+    """doctor and send-test take the From in use from the newest payloads: bodiless rows are
+    passed over (they name no sender), within a bounded read of the newest rows."""
+    engine, url = backend.engine, backend.url
+    enqueue(engine, "queued")  # pending: keeps its body
+    for i in range(12):  # newer, and bodiless after the prune
+        enqueue(engine, f"sent-{i}", **SENT)
+    assert cli(url, "prune", "--older-than", "30d", "--keep-bodies", "0").exit_code == 0
+    with engine.connect() as conn:
+        assert [p["sender"] for p in store.recent_payloads(conn, limit=2)] == ["shop@example.com"]
+        assert store.recent_payloads(conn, limit=1) == []  # only the newest ten rows are read
+    assert identities_in_use(engine) == (["shop@example.com"], [])
