@@ -220,6 +220,6 @@ def test_an_unknown_revision_is_one_line_listing_the_known_ones(empty_url):
     assert "--revision 'bogus'" in line
     assert "Can't locate revision" in line
     assert (
-        "use 'heads' (the default) or one of outbox_0001, outbox_0002, outbox_0003, outbox_0004, outbox_0005"
-        in line
+        "use 'heads' (the default) or one of outbox_0001, outbox_0002, outbox_0003, "
+        "outbox_0004, outbox_0005" in line
     )
