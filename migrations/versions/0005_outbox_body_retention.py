@@ -53,17 +53,18 @@ def _briefly(bind: sa.Connection, change: Callable[[], None], *, offline: bool =
         return
     if offline:
         if dialect == "postgresql":
-            op.execute(f"SET lock_timeout = '{LOCK_WAIT}s'")
+            op.execute(f"SET LOCAL lock_timeout = '{LOCK_WAIT}s'")  # the script's transaction
             change()
-            op.execute("RESET lock_timeout")
+            op.execute("SET LOCAL lock_timeout = DEFAULT")
         else:
+            op.execute("SET @outbox_lock_wait = @@SESSION.lock_wait_timeout")
             op.execute(f"SET SESSION lock_wait_timeout = {LOCK_WAIT}")
             change()
+            op.execute("SET SESSION lock_wait_timeout = @outbox_lock_wait")
         return
     if dialect == "postgresql":
-        setting, before = "lock_timeout", bind.exec_driver_sql("SHOW lock_timeout").scalar_one()
+        before = bind.exec_driver_sql("SHOW lock_timeout").scalar_one()
     else:
-        setting = "lock_wait_timeout"
         before = bind.exec_driver_sql("SELECT @@SESSION.lock_wait_timeout").scalar_one()
     for attempt in range(1, TRIES + 1):
         try:
@@ -75,12 +76,23 @@ def _briefly(bind: sa.Connection, change: Callable[[], None], *, offline: bool =
                     bind.execute(
                         sa.text("SELECT set_config('lock_timeout', :v, true)"), {"v": before}
                     )
-            else:  # MariaDB (its DDL commits by itself), or a connection in autocommit
-                _set(bind, setting, f"{LOCK_WAIT}s" if dialect == "postgresql" else LOCK_WAIT)
+            elif dialect == "postgresql":
+                # autocommit: a transaction of its own, so the bound goes with the change
+                # even through a pooler that hands each statement another server session
+                bind.exec_driver_sql("BEGIN")
+                try:
+                    bind.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}s'")
+                    change()
+                except BaseException:
+                    bind.exec_driver_sql("ROLLBACK")
+                    raise
+                bind.exec_driver_sql("COMMIT")
+            else:  # MariaDB: its DDL commits by itself
+                bind.exec_driver_sql(f"SET SESSION lock_wait_timeout = {LOCK_WAIT}")
                 try:
                     change()
                 finally:
-                    _set(bind, setting, before)
+                    bind.exec_driver_sql(f"SET SESSION lock_wait_timeout = {int(before)}")
             return
         except sa.exc.DBAPIError as exc:
             if not _lock_timed_out(exc):
@@ -93,14 +105,6 @@ def _briefly(bind: sa.Connection, change: Callable[[], None], *, offline: bool =
 def _autocommit(bind: sa.Connection) -> bool:
     """Whether the driver commits each statement (no transaction, so no savepoint)."""
     return bool(getattr(bind.connection.dbapi_connection, "autocommit", False))
-
-
-def _set(bind: sa.Connection, setting: str, value: object) -> None:
-    """The session's ``setting`` (PostgreSQL takes no parameter in SET: set_config)."""
-    if bind.dialect.name == "postgresql":
-        bind.execute(sa.text("SELECT set_config(:s, :v, false)"), {"s": setting, "v": str(value)})
-    else:
-        bind.exec_driver_sql(f"SET SESSION {setting} = {int(str(value))}")
 
 
 def _held(tries: int) -> Exception:

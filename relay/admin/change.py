@@ -63,11 +63,12 @@ def _select(
             f"cannot {verb} {', '.join(bad)} messages", param_hint="'--status'"
         )
     chosen = store.Filter(**{**_fields(flt), "statuses": tuple(statuses)})
-    matching = store.message_ids(conn, chosen)
     if not needs_body:
-        return matching, []
+        return store.message_ids(conn, chosen), []
+    # each read on its own: a row that moves between them is in neither, or in the one
+    # that says what it is now
     kept = store.message_ids(conn, dataclasses.replace(chosen, with_body=True))
-    left_out = sorted(set(matching) - set(kept))
+    left_out = store.message_ids(conn, dataclasses.replace(chosen, bodiless=True))
     if left_out:
         click.echo(
             f"{len(left_out)} matching message(s) left out: prune dropped their bodies "

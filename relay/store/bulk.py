@@ -96,6 +96,7 @@ class Filter:
     created_after: datetime | None = None
     changed_before: datetime | None = None
     with_body: bool = False  # only messages whose body prune has not dropped
+    bodiless: bool = False  # only messages whose body prune has dropped
 
 
 def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
@@ -120,6 +121,8 @@ def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
         clauses.append(_m.c.updated_at < f.changed_before)
     if f.with_body:
         clauses.append(_m.c.body_dropped_at.is_(None))
+    if f.bodiless:
+        clauses.append(_m.c.body_dropped_at.is_not(None))
     return clauses
 
 
@@ -205,15 +208,16 @@ def recent_payloads(conn: sa.Connection, *, limit: int = 1000) -> list[Any]:
     along the primary key among the newest ``10 * limit`` rows, so its cost does not grow
     with the table, even when prune has dropped every body (``--keep-bodies 0``)."""
     newest = (
-        sa.select(_m.c.id, _m.c.payload, _m.c.body_dropped_at)
+        sa.select(_m.c.id, _m.c.body_dropped_at)  # no payloads: MariaDB copies this out
         .order_by(_m.c.id.desc())
         .limit(10 * limit)
         .subquery()
     )
     stmt = (
-        sa.select(newest.c.payload)
+        sa.select(_m.c.payload)
+        .join(newest, newest.c.id == _m.c.id)
         .where(newest.c.body_dropped_at.is_(None))
-        .order_by(newest.c.id.desc())
+        .order_by(_m.c.id.desc())
         .limit(limit)
     )
     return list(conn.execute(stmt).scalars())

@@ -12,7 +12,6 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from email.utils import getaddresses
 from typing import Any
 
 import sqlalchemy as sa
@@ -200,20 +199,14 @@ def read_row_locked(conn: sa.Connection, message_id: int) -> MessageRow | None:
 
 def payload_addresses(conn: sa.Connection, message_id: int) -> list[str]:
     """The row's To, Cc and Bcc as its payload holds them, read from its address lists alone
-    (never its bodies or attachments); an entry that is not text is skipped. Once prune has
-    dropped the body (a complaint can come weeks after the send), from the ``recipients``
-    column, which keeps the same entries joined as one address list."""
+    (never its bodies or attachments); an entry that is not text is skipped. A body prune
+    dropped keeps these lists (:func:`relay.store.operator.dropped_payload`): a complaint
+    can come weeks after the send."""
     payload = _m.c.payload
-    stmt = sa.select(
-        payload["to"], payload["cc"], payload["bcc"], _m.c.recipients, _m.c.body_dropped_at
-    ).where(_m.c.id == message_id)
+    stmt = sa.select(payload["to"], payload["cc"], payload["bcc"]).where(_m.c.id == message_id)
     found = conn.execute(stmt).first()
-    if found is None:
-        return []
-    if found.body_dropped_at is not None:
-        return [address for _name, address in getaddresses([found.recipients]) if address]
     addresses: list[str] = []
-    for field in found[:3]:
+    for field in found or ():
         if isinstance(field, str):  # a stored scalar where a list belongs
             field = [field]
         if not isinstance(field, list):

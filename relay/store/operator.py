@@ -32,7 +32,7 @@ from outbox.schema import (
 )
 
 __all__ = [
-    "DROPPED_PAYLOAD",
+    "ADDRESS_FIELDS",
     "LoggedAction",
     "actions_on",
     "add_suppressions",
@@ -41,6 +41,7 @@ __all__ = [
     "count_prunable_messages",
     "count_stopped_relays",
     "drop_bodies",
+    "dropped_payload",
     "events_of",
     "list_suppressions",
     "lock_for_change",
@@ -301,17 +302,32 @@ def _droppable(
     """The bodies a prune drops: of sent, cancelled and expired messages last changed before
     ``before``, and of failed ones (which an operator may requeue once the cause is fixed)
     before ``failed_before``; None: none of those. Never of unknown_outcome or queued rows."""
+    # status = each literal, not IN (...): an expanding IN cannot go in drop_bodies' executemany
     finished = [
-        sa.and_(messages.c.status.in_(statuses), messages.c.updated_at < cutoff)
+        sa.and_(
+            sa.or_(*(messages.c.status == sa.literal(status) for status in statuses)),
+            messages.c.updated_at < cutoff,
+        )
         for statuses, cutoff in ((_DONE_WITH, before), ((Status.FAILED.value,), failed_before))
         if cutoff is not None
     ]
     return [sa.or_(sa.false(), *finished), messages.c.body_dropped_at.is_(None)]
 
 
-# What a dropped body becomes: an empty object (the column is NOT NULL), which is no email,
-# so a row that somehow came back to the queue would fail as invalid_payload, never be sent.
-DROPPED_PAYLOAD: dict[str, Any] = {}
+ADDRESS_FIELDS = ("to", "cc", "bcc")  # what a dropped body keeps of its payload
+
+
+def dropped_payload(to: Any, cc: Any, bcc: Any) -> dict[str, list[str]]:
+    """What a body becomes when prune drops it: its address lists alone, which the event
+    intake screens a late bounce's or complaint's addresses against (the ``recipients``
+    column holds the same, but as one string a server in non-strict mode may have cut).
+    No sender and no content: no email, so a row that somehow came back to the queue fails
+    as invalid_payload, never sent."""
+    return {
+        name: [a for a in value if isinstance(a, str)]
+        for name, value in zip(ADDRESS_FIELDS, (to, cc, bcc), strict=True)
+        if isinstance(value, list) and value
+    }
 
 
 def count_droppable_bodies(
@@ -351,23 +367,30 @@ def drop_bodies(
     keeps its body. ``updated_at`` is left alone: the drop is not a change of the message's
     state."""
     droppable = _droppable(before, failed_before)
-    ids = list(
-        conn.execute(
-            sa.select(messages.c.id)
-            .where(messages.c.id > after_id, *droppable)
-            .order_by(messages.c.id)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        ).scalars()
-    )
-    if not ids:
+    payload = messages.c.payload
+    rows = conn.execute(
+        sa.select(messages.c.id, *(payload[name] for name in ADDRESS_FIELDS))
+        .where(messages.c.id > after_id, *droppable)
+        .order_by(messages.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()
+    if not rows:
         return 0, None
-    result = conn.execute(
+    # one guarded UPDATE per row (each keeps its own addresses), sent as one executemany
+    update = (
         sa.update(messages)
-        .where(messages.c.id.in_(ids), *droppable)
-        .values(payload=DROPPED_PAYLOAD, body_dropped_at=now)
+        .where(messages.c.id == sa.bindparam("row_id"), *droppable)
+        .values(payload=sa.bindparam("kept"), body_dropped_at=now)
     )
-    return int(result.rowcount), ids[-1]
+    params = [{"row_id": row[0], "kept": dropped_payload(*row[1:])} for row in rows]
+    conn.execute(update, params)
+    dropped = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(messages)
+        .where(messages.c.id.in_([row[0] for row in rows]), messages.c.body_dropped_at == now)
+    ).scalar_one()
+    return int(dropped), rows[-1][0]
 
 
 def prune_unmatched_events(conn: sa.Connection, *, before: datetime, limit: int) -> int:

@@ -246,7 +246,8 @@ def test_the_upgrade_runs_on_a_connection_in_autocommit(backend, old_url):
 
 
 def test_the_upgrade_renders_as_sql_for_a_dba_with_the_same_lock_bound(server_backend):
-    """``alembic upgrade --sql`` (offline): the script sets the lock wait before the change."""
+    """``alembic upgrade --sql`` (offline): the script sets the lock wait before the change
+    and restores it after."""
     config = migrations.alembic_config(server_backend.url)
     out = io.StringIO()
     config.stdout = out
@@ -256,3 +257,9 @@ def test_the_upgrade_renders_as_sql_for_a_dba_with_the_same_lock_bound(server_ba
     wait = "lock_timeout = '1s'" if server_backend.name == "postgresql" else "lock_wait_timeout = 1"
     assert wait in script
     assert script.index(wait) < script.index("body_dropped_at")
+    back = (  # and puts the session's own wait back after it, for the app's later revisions
+        "SET LOCAL lock_timeout = DEFAULT"
+        if server_backend.name == "postgresql"
+        else "SET SESSION lock_wait_timeout = @outbox_lock_wait"
+    )
+    assert script.index("body_dropped_at") < script.index(back)
