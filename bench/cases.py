@@ -68,6 +68,8 @@ class Sizes:
     backlog_done: int
     fair_backlog: int  # key A's messages in the fairness benchmark
     fair_rate: float  # its shared send limit, recipients/s (not scaled)
+    soak_seconds: int  # how long the soak enqueues and drains at a steady rate
+    retention: int  # sent messages whose retained storage is measured
 
     @classmethod
     def make(cls, *, quick: bool, big: bool, scale: float) -> Sizes:
@@ -81,6 +83,8 @@ class Sizes:
                 backlog_due=20_000,
                 backlog_done=50_000,
                 fair_backlog=2000,
+                soak_seconds=60,
+                retention=20_000,
             )
         else:
             base = dict(
@@ -92,6 +96,8 @@ class Sizes:
                 backlog_due=100_000,
                 backlog_done=500_000,
                 fair_backlog=50_000,
+                soak_seconds=1800,
+                retention=1_000_000,
             )
         if big:
             base.update(backlog_small=10_000, backlog_due=1_000_000, backlog_done=5_000_000)

@@ -16,10 +16,16 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bench.cases import CASES, Result, Sizes
+from bench.cases import CASES as CORE_CASES
+from bench.cases import Result, Sizes
 from bench.db import prepare
+from bench.retention import retention
+from bench.soak import soak
 
-__all__ = ["format_table", "machine", "main"]
+__all__ = ["CASES", "format_table", "machine", "main"]
+
+# The benchmarks by name; the storage ones live in modules of their own.
+CASES = {**CORE_CASES, "soak": soak, "retention": retention}
 
 
 def machine() -> dict[str, Any]:
@@ -86,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--big", action="store_true", help="backlog: 1M due + 5M finished rows")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every size")
-    parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated subset of {','.join(CASES)} (default: all but soak and retention, "
+        "which take long)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
 
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CASES)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CORE_CASES)
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {list(CASES)}")

@@ -117,3 +117,68 @@ def test_fairness_bench_sends_the_small_keys_before_the_big_backlog(
         assert keyed["B..K"]["max"] < keyed["A"]["max"] / 2, keyed
         assert plain["A_sent_by_last_B..K"] > 0.75, plain
         assert results[f"fair throughput, {label}"]["value"] > 0
+
+
+@pytest.mark.parametrize("backend_name", ["sqlite", "postgresql"])
+def test_soak_bench_drops_bodies_and_prunes_rows_while_it_runs(backend_name, request, tmp_path):
+    """15 s of the soak (``--quick --scale 0.25``): one relay drains, prunes run every 5 s
+    with bodies kept 1 s and rows 5 s, so within the run bodies are dropped and rows pruned;
+    the samples are in the report and the relay and prunes are gone when it ends."""
+    out = tmp_path / "bench.json"
+    url = _bench_url(backend_name, request, tmp_path)
+    proc = _run_bench(
+        "--quick", "--scale", "0.25", "--only", "soak", "--database-url", url, "--json", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    results = {r["benchmark"]: r for r in report["results"]}
+    assert {
+        "soak outbox bytes, end vs steady",
+        "soak rows held, steady max",
+        "soak bodies held, steady max",
+        "soak queued, steady max",
+        "soak bodies dropped",
+        "soak rows pruned",
+    } <= results.keys()
+    garbage = "soak dead tuples, max" if backend_name == "postgresql" else "soak free pages, max"
+    assert garbage in results
+    details = results["soak outbox bytes, end vs steady"]["details"]
+    samples, prunes = details["samples"], details["prunes"]
+    assert len(samples) >= 4  # every 1.5 s nominally; fewer when the machine is loaded
+    assert all(s["bytes"] > 0 for s in samples)
+    assert "outbox_messages" in samples[-1]["tables"]
+    assert prunes  # one or more: the command takes seconds to start on a busy machine
+    assert results["soak bodies dropped"]["value"] > 0
+    assert results["soak rows pruned"]["value"] > 0
+    # what the prunes dropped shows in the samples too: fewer bodies than rows held
+    assert min(s["bodies"] - s["rows"] for s in samples) < 0
+    running = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not [args for args in running.splitlines() if "outbox-relay" in args and url in args]
+
+
+@pytest.mark.parametrize("backend_name", ["sqlite", "postgresql"])
+def test_retention_bench_measures_less_storage_once_bodies_are_dropped(
+    backend_name, request, tmp_path
+):
+    """1,000 sent messages with bodies, their bodies dropped by ``outbox-relay prune
+    --keep-bodies 0``: the messages table holds fewer bytes per message after the drop
+    (compacted and in place) than before it, and some. No size target is asserted."""
+    out = tmp_path / "bench.json"
+    url = _bench_url(backend_name, request, tmp_path)
+    proc = _run_bench(
+        "--quick", "--scale", "0.05", "--only", "retention", "--database-url", url,
+        "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    results = {r["benchmark"]: r for r in report["results"]}
+    compacted = results["retained B/msg, compacted"]
+    assert compacted["details"]["messages"] == 1000
+    for name in ("retained B/msg, compacted", "retained B/msg, in place"):
+        assert 0 < results[name]["value"] < results[name]["baseline"], results[name]
+    assert results["body drop"]["details"]["bodies"] == 1000
+    stages = compacted["details"]["bytes_per_message"]
+    assert stages["before"]["outbox_messages"]["indexes"]  # the per-index breakdown
+    assert stages["compacted"]["outbox_attempts"]["total"] > 0
