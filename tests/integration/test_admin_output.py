@@ -256,6 +256,11 @@ def test_show_text_keeps_each_value_on_its_line_with_utc_times(backend, outbox):
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_prune_says_its_cutoff_in_utc_with_z(backend, outbox, dry_run):
     text = cli(backend, "prune", "--older-than", "1d", *(["--dry-run"] if dry_run else []))
-    (moment,) = text_times(text)
-    cutoff = datetime.fromisoformat(moment)  # the 30-day dedup window wins over --older-than
-    assert abs(cutoff - (datetime.now(UTC) - timedelta(days=30))) < timedelta(minutes=5)
+    # the row cutoff (the 30-day dedup window wins over --older-than), then the bodies'
+    # (sent and the like after 7 days, failed after 30)
+    moments = [datetime.fromisoformat(m) for m in text_times(text)]
+    now = datetime.now(UTC)
+    expected = [now - timedelta(days=d) for d in (30, 7, 30)]
+    assert len(moments) == len(expected)
+    for moment, wanted in zip(moments, expected, strict=True):
+        assert abs(moment - wanted) < timedelta(minutes=5)
