@@ -297,8 +297,8 @@ messages = sa.Table(
     # the turn it took in its key's line, when it was written due (None: no key, or
     # scheduled for later); the next message of the key is placed after the latest
     sa.Column("line_at", UTCDateTime(), nullable=True),
-    # when prune dropped its payload ({} since), past --keep-bodies: docs/design.md, "Body
-    # retention"
+    # when prune dropped its payload (its address lists kept), past --keep-bodies:
+    # docs/design.md, "Body retention"
     sa.Column("body_dropped_at", UTCDateTime(), nullable=True),
     sa.UniqueConstraint("idempotency_key"),
     sa.CheckConstraint(_in("status", tuple(Status)), name="status"),

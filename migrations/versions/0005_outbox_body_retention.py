@@ -10,7 +10,7 @@ exclusive lock the change needs: queued behind a long transaction that reads the
 would make every write wait behind it. So the change waits at most a second for its lock
 (``lock_timeout`` on PostgreSQL, ``lock_wait_timeout`` on MariaDB), gives way when it cannot
 have it, and tries again, up to :data:`TRIES` times; MariaDB is told ``ALGORITHM=INSTANT``, so
-it fails rather than copy the table. See docs/operations, "Upgrading".
+it fails rather than copy the table. See docs/design.md, "Body retention".
 """
 
 import time

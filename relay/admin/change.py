@@ -67,8 +67,8 @@ def _select(
         return store.message_ids(conn, chosen), []
     # each read on its own: a row that moves between them is in neither, or in the one
     # that says what it is now
-    kept = store.message_ids(conn, dataclasses.replace(chosen, with_body=True))
-    left_out = store.message_ids(conn, dataclasses.replace(chosen, bodiless=True))
+    kept = store.message_ids(conn, dataclasses.replace(chosen, has_body=True))
+    left_out = store.message_ids(conn, dataclasses.replace(chosen, has_body=False))
     if left_out:
         click.echo(
             f"{len(left_out)} matching message(s) left out: prune dropped their bodies "

@@ -198,7 +198,7 @@ def show(database_url: str, message_id: int, as_json: bool, body: str | None) ->
     message = dict(row._mapping)
     payload = message.pop("payload") or {}
     dropped = message["body_dropped_at"]
-    # a dropped body's attachments and template are unknown, not none
+    # a dropped body's attachments are unknown, not none (body_dropped_at says so)
     message["attachments"] = (
         None if dropped else [a.get("filename") for a in payload.get("attachments", [])]
     )

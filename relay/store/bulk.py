@@ -95,8 +95,7 @@ class Filter:
     created_before: datetime | None = None
     created_after: datetime | None = None
     changed_before: datetime | None = None
-    with_body: bool = False  # only messages whose body prune has not dropped
-    bodiless: bool = False  # only messages whose body prune has dropped
+    has_body: bool | None = None  # True: prune has not dropped its body; False: it has
 
 
 def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
@@ -119,10 +118,9 @@ def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
         clauses.append(_m.c.created_at >= f.created_after)
     if f.changed_before is not None:
         clauses.append(_m.c.updated_at < f.changed_before)
-    if f.with_body:
-        clauses.append(_m.c.body_dropped_at.is_(None))
-    if f.bodiless:
-        clauses.append(_m.c.body_dropped_at.is_not(None))
+    if f.has_body is not None:
+        dropped = _m.c.body_dropped_at
+        clauses.append(dropped.is_(None) if f.has_body else dropped.is_not(None))
     return clauses
 
 
@@ -169,26 +167,26 @@ _IDS_PER_STATEMENT = 10_000  # PostgreSQL takes at most 65,535 parameters in one
 def statuses_of(conn: sa.Connection, ids: Sequence[int]) -> dict[int, str]:
     """The current status of each existing id, ``_IDS_PER_STATEMENT`` ids a statement, so an
     operator may give any number of ids."""
-    found: dict[int, str] = {}
+    return _by_id(conn, ids, _m.c.status)
+
+
+def _by_id(
+    conn: sa.Connection, ids: Sequence[int], column: sa.Column[Any], *where: Any
+) -> dict[int, Any]:
+    """``column`` of each of ``ids`` that exists (and meets ``where``), read
+    ``_IDS_PER_STATEMENT`` ids a statement."""
+    found: dict[int, Any] = {}
     for start in range(0, len(ids), _IDS_PER_STATEMENT):
         chunk = ids[start : start + _IDS_PER_STATEMENT]
-        rows = conn.execute(sa.select(_m.c.id, _m.c.status).where(_m.c.id.in_(chunk))).all()
-        found.update((row.id, row.status) for row in rows)
+        rows = conn.execute(sa.select(_m.c.id, column).where(_m.c.id.in_(chunk), *where)).all()
+        found.update((row[0], row[1]) for row in rows)
     return found
 
 
 def bodies_dropped(conn: sa.Connection, ids: Sequence[int]) -> dict[int, datetime]:
     """When prune dropped the body of each of ``ids`` that lost it."""
-    found: dict[int, datetime] = {}
-    for start in range(0, len(ids), _IDS_PER_STATEMENT):
-        chunk = ids[start : start + _IDS_PER_STATEMENT]
-        rows = conn.execute(
-            sa.select(_m.c.id, _m.c.body_dropped_at).where(
-                _m.c.id.in_(chunk), _m.c.body_dropped_at.is_not(None)
-            )
-        ).all()
-        found.update((row.id, row.body_dropped_at) for row in rows)
-    return found
+    dropped = _m.c.body_dropped_at
+    return _by_id(conn, ids, dropped, dropped.is_not(None))
 
 
 def get_message(
