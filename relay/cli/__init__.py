@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from outbox.exceptions import ConfigurationError
 from relay import admin, logs
 from relay import doctor as preflight
+from relay.cli.console import ui, ui_user
 from relay.cli.migrations import alembic_revision, migrate
 from relay.cli.process import WAIT_ENV, events, run_relay
 from relay.cli.sendtest import send_test
@@ -55,6 +56,8 @@ __all__ = [
     "migrate",
     "run",
     "send_test",
+    "ui",
+    "ui_user",
 ]
 
 
@@ -95,7 +98,7 @@ def _dump_stacks_on_sigusr1() -> None:
         return
 
 
-for _command in (*admin.COMMANDS, migrate, alembic_revision, events, send_test):
+for _command in (*admin.COMMANDS, migrate, alembic_revision, events, send_test, ui, ui_user):
     main.add_command(_command)
 
 

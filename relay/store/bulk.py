@@ -96,6 +96,7 @@ class Filter:
     created_after: datetime | None = None
     changed_before: datetime | None = None
     has_body: bool | None = None  # True: prune has not dropped its body; False: it has
+    error_code: str | None = None  # the last attempt's error code, exactly
 
 
 def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
@@ -118,6 +119,8 @@ def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
         clauses.append(_m.c.created_at >= f.created_after)
     if f.changed_before is not None:
         clauses.append(_m.c.updated_at < f.changed_before)
+    if f.error_code is not None:
+        clauses.append(_m.c.last_error_code == f.error_code)
     if f.has_body is not None:
         dropped = _m.c.body_dropped_at
         clauses.append(dropped.is_(None) if f.has_body else dropped.is_not(None))
@@ -141,12 +144,22 @@ _LIST_COLUMNS = (
 
 
 def list_messages(
-    conn: sa.Connection, f: Filter, *, limit: int, after_id: int | None = None
+    conn: sa.Connection,
+    f: Filter,
+    *,
+    limit: int,
+    after_id: int | None = None,
+    before_id: int | None = None,
+    newest_first: bool = False,
 ) -> list[Any]:
-    """One page of messages matching ``f``, by id (keyset paging)."""
-    stmt = sa.select(*_LIST_COLUMNS).where(*_where(f)).order_by(_m.c.id).limit(limit)
+    """One page of messages matching ``f``, by id (keyset paging: ids after ``after_id``,
+    before ``before_id``), oldest first or newest first."""
+    order = _m.c.id.desc() if newest_first else _m.c.id
+    stmt = sa.select(*_LIST_COLUMNS).where(*_where(f)).order_by(order).limit(limit)
     if after_id is not None:
         stmt = stmt.where(_m.c.id > after_id)
+    if before_id is not None:
+        stmt = stmt.where(_m.c.id < before_id)
     return list(conn.execute(stmt).all())
 
 

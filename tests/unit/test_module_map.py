@@ -28,6 +28,7 @@ COMMAND_LINE = (
     "relay.cli.migrations",
     "relay.cli.process",
     "relay.cli.sendtest",
+    "relay.cli.console",
     "relay.admin",
     "relay.admin.batches",
     "relay.admin.change",

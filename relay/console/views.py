@@ -1,0 +1,390 @@
+"""The console's pages: what each reads (through :mod:`relay.store`, the statements the
+command line reads with) and which template shows it. Every page answers without
+JavaScript; a viewer sees addresses masked and never a body."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+from outbox.schema import Status
+from relay import store
+from relay.console.guard import LoginThrottle, Session, Sessions, cross_site, csrf_matches
+from relay.console.users import Role
+from relay.store import operator as ops
+
+__all__ = ["HERE", "LOGIN_COOKIE", "PAGE_SIZE", "Pages", "masked"]
+
+HERE = Path(__file__).parent
+PAGE_SIZE = 50
+LOGIN_COOKIE = "outbox_console_login"  # the login form's own CSRF nonce, before any session
+_EMAIL = re.compile(r"([^\s<>\"',;:@]+)@([A-Za-z0-9.-]+\.[A-Za-z]{2,})")
+_REVIEW = {"bounce_rate": 0.05, "complaint_rate": 0.001}  # the rates SES reviews an account at
+
+
+def masked(value: Any) -> str:
+    """``value`` as text with every email address's local part cut to its first letter."""
+    return _EMAIL.sub(lambda m: f"{m.group(1)[0]}\u2022\u2022\u2022@{m.group(2)}", str(value))
+
+
+def _when(value: Any) -> str:
+    if not isinstance(value, datetime):
+        return "" if value is None else str(value)
+    moment: datetime = value if value.tzinfo else value.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") + "Z"
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() and len(text) < 19 else None
+
+
+def _day(text: str | None) -> datetime | None:
+    try:
+        return datetime.fromisoformat(text).replace(tzinfo=UTC) if text else None
+    except ValueError:
+        return None
+
+
+_Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Pages:
+    """The pages of one console: its engine, its sessions and its templates."""
+
+    def __init__(self, engine: sa.Engine, sessions: Sessions, throttle: LoginThrottle) -> None:
+        self.engine = engine
+        self.sessions = sessions
+        self.throttle = throttle
+        self.templates = Environment(
+            loader=FileSystemLoader(HERE / "templates"),
+            autoescape=select_autoescape(default=True, default_for_string=True),
+        )
+        self.templates.filters["when"] = _when
+
+    # -- rendering and access ----------------------------------------------------------------
+
+    def render(
+        self, request: Request, name: str, session: Session | None, status: int = 200, **data: Any
+    ) -> HTMLResponse:
+        viewer = session is None or session.user.role is not Role.OPERATOR
+        page = self.templates.get_template(name).render(
+            request=request,
+            session=session,
+            operator=not viewer,
+            shown=masked if viewer else str,
+            base=request.scope.get("root_path", ""),
+            **data,
+        )
+        return HTMLResponse(page, status_code=status)
+
+    def page(
+        self, role: Role, handler: Callable[[Request, Session], Awaitable[Response]]
+    ) -> _Handler:
+        """``handler`` behind a session of at least ``role``: no session goes to the login
+        page; a viewer asking for an operator's page is refused."""
+
+        async def guarded(request: Request) -> Response:
+            session = self.sessions.current(request)
+            if session is None:
+                base = request.scope.get("root_path", "")
+                return RedirectResponse(f"{base}/login", status_code=303)
+            if role is Role.OPERATOR and session.user.role is not Role.OPERATOR:
+                return self.render(
+                    request, "refused.html", session, 403, why="Only an operator may see this."
+                )
+            return await handler(request, session)
+
+        return guarded
+
+    def read(self, work: Callable[[sa.Connection], Any]) -> Awaitable[Any]:
+        """Run ``work`` on a connection in a worker thread (the store is synchronous)."""
+
+        def run() -> Any:
+            with self.engine.connect() as conn:
+                return work(conn)
+
+        return run_in_threadpool(run)
+
+    # -- login -------------------------------------------------------------------------------
+
+    async def login_form(self, request: Request) -> Response:
+        if self.sessions.auth.users_file is None:
+            return self.render(
+                request, "refused.html", None, 403, why="Sign in through your proxy."
+            )
+        return self._login_page(request, None)
+
+    def _login_page(self, request: Request, error: str | None, status: int = 200) -> Response:
+        nonce = secrets.token_urlsafe(24)
+        response = self.render(request, "login.html", None, status, error=error, nonce=nonce)
+        options = self.sessions.cookie_options(request)
+        options["key"] = LOGIN_COOKIE
+        response.set_cookie(value=nonce, max_age=1800, **options)
+        return response
+
+    async def login(self, request: Request) -> Response:
+        users = self.sessions.auth.users_file
+        form = await request.form()
+        nonce = request.cookies.get(LOGIN_COOKIE)
+        if users is None or cross_site(request) or not nonce or form.get("nonce") != nonce:
+            return self.render(
+                request, "refused.html", None, 403, why="Refused: not this site's form."
+            )
+        name, password = str(form.get("name", "")), str(form.get("password", ""))
+        client = request.client.host if request.client else "?"
+        keys = [f"user:{name.lower()}", f"address:{client}"]
+        wait = self.throttle.wait(keys)
+        if wait > 0:
+            response = self._login_page(request, "Too many failed logins: wait and try again.", 429)
+            response.headers["Retry-After"] = str(int(wait) + 1)
+            return response
+        user = await run_in_threadpool(users.authenticate, name, password)
+        if user is None:
+            self.throttle.failed(keys)
+            return self._login_page(request, "Wrong name or password.", 401)
+        self.throttle.succeeded(keys)
+        cookie, _ = self.sessions.issue(user)
+        base = request.scope.get("root_path", "")
+        response = RedirectResponse(f"{base}/", status_code=303)
+        response.set_cookie(value=cookie, **self.sessions.cookie_options(request))
+        options = self.sessions.cookie_options(request)
+        options["key"] = LOGIN_COOKIE
+        response.delete_cookie(**{k: options[k] for k in ("key", "path")})
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        session = self.sessions.current(request)
+        form = await request.form()
+        if session is None or cross_site(request) or not csrf_matches(session, form.get("csrf")):  # type: ignore[arg-type]
+            return self.render(
+                request, "refused.html", session, 403, why="Refused: not this site's form."
+            )
+        base = request.scope.get("root_path", "")
+        response = RedirectResponse(f"{base}/login", status_code=303)
+        options = self.sessions.cookie_options(request)
+        response.delete_cookie(key=options["key"], path=options["path"])
+        return response
+
+    # -- pages -------------------------------------------------------------------------------
+
+    async def overview(self, request: Request, session: Session) -> Response:
+        def work(conn: sa.Connection) -> dict[str, Any]:
+            summary = store.read_view(conn, "outbox_status_summary")
+            totals: dict[str, int] = {}
+            for row in summary:
+                totals[row["status"]] = totals.get(row["status"], 0) + int(row["message_count"])
+            return {
+                "totals": [(s.value, totals.get(s.value, 0)) for s in Status],
+                "summary": sorted(summary, key=lambda r: (r["category"], r["status"])),
+                "lag": store.read_view(conn, "outbox_lag"),
+                "delivery": ops.read_delivery_summary(conn),
+                "intake": ops.read_event_intake(conn),
+                "relays": store.read_view(conn, "outbox_relay_health"),
+            }
+
+        data = await self.read(work)
+        return self.render(request, "overview.html", session, review=_REVIEW, **data)
+
+    async def messages(self, request: Request, session: Session) -> Response:
+        q = request.query_params
+        statuses = tuple(s for s in q.getlist("status") if s in {m.value for m in Status})
+        flt = store.Filter(
+            statuses=statuses,
+            categories=tuple(c for c in q.getlist("category") if c),
+            key=q.get("key") or None,
+            error_code=q.get("error") or None,
+            created_after=_day(q.get("from")),
+            created_before=_day(q.get("until")),
+        )
+        before = _int(q.get("before"))
+
+        def work(conn: sa.Connection) -> list[dict[str, Any]]:
+            rows = store.list_messages(
+                conn, flt, limit=PAGE_SIZE + 1, before_id=before, newest_first=True
+            )
+            return [dict(r._mapping) for r in rows]
+
+        rows = await self.read(work)
+        more = len(rows) > PAGE_SIZE
+        rows = rows[:PAGE_SIZE]
+        return self.render(
+            request,
+            "messages.html",
+            session,
+            rows=rows,
+            query=q,
+            statuses=[s.value for s in Status],
+            chosen=set(statuses),
+            next_before=rows[-1]["id"] if more else None,
+        )
+
+    async def message(self, request: Request, session: Session) -> Response:
+        message_id = _int(request.path_params["message_id"])
+
+        def work(conn: sa.Connection) -> dict[str, Any] | None:
+            if message_id is None:
+                return None
+            row, history = store.get_message(conn, message_id)
+            if row is None:
+                return None
+            return {
+                "message": dict(row._mapping),
+                "attempts": [dict(a._mapping) for a in history],
+                "events": ops.events_of(conn, message_id),
+                "actions": ops.actions_on(conn, message_id),
+            }
+
+        found = await self.read(work)
+        if found is None:
+            return self.render(request, "refused.html", session, 404, why="No such message.")
+        message = found["message"]
+        payload = message.pop("payload") or {}
+        return self.render(
+            request,
+            "message.html",
+            session,
+            m=message,
+            headers=_headers(payload),
+            attachments=[
+                (a.get("filename"), a.get("content_type")) for a in payload.get("attachments", [])
+            ],
+            has_html=bool(payload.get("html")) and message["body_dropped_at"] is None,
+            text_body=payload.get("text") if message["body_dropped_at"] is None else None,
+            timeline=_timeline(message, found),
+        )
+
+    async def body(self, request: Request, session: Session) -> Response:
+        """The email's HTML on its own, for the sandboxed frame of the message page: no
+        script runs and nothing is fetched (remote images stay out: no tracking pixel)."""
+        message_id = _int(request.path_params["message_id"])
+
+        def work(conn: sa.Connection) -> Any:
+            row, _ = store.get_message(conn, message_id) if message_id is not None else (None, [])
+            return None if row is None or row.body_dropped_at else row.payload
+
+        payload = await self.read(work)
+        html = (payload or {}).get("html")
+        if not isinstance(html, str):
+            return Response("no html body", status_code=404, media_type="text/plain")
+        return HTMLResponse(
+            html,
+            headers={
+                "Content-Security-Policy": "sandbox; default-src 'none'; "
+                "style-src 'unsafe-inline'; img-src data:; frame-ancestors 'self'",
+                "X-Frame-Options": "SAMEORIGIN",
+            },
+        )
+
+    async def suppressions(self, request: Request, session: Session) -> Response:
+        after = request.query_params.get("after") or None
+
+        def work(conn: sa.Connection) -> list[dict[str, Any]]:
+            return ops.list_suppressions(conn, reasons=(), limit=PAGE_SIZE + 1, after=after)
+
+        rows = await self.read(work)
+        more = len(rows) > PAGE_SIZE
+        rows = rows[:PAGE_SIZE]
+        return self.render(
+            request,
+            "suppressions.html",
+            session,
+            rows=rows,
+            next_after=rows[-1]["address"] if more else None,
+        )
+
+    async def relays(self, request: Request, session: Session) -> Response:
+        rows = await self.read(lambda conn: store.read_view(conn, "outbox_relay_health"))
+        return self.render(request, "relays.html", session, rows=rows)
+
+
+def _headers(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    """The email's headers as the message page lists them."""
+    shown = []
+    for field, label in (
+        ("sender", "From"),
+        ("to", "To"),
+        ("cc", "Cc"),
+        ("bcc", "Bcc"),
+        ("reply_to", "Reply-To"),
+        ("subject", "Subject"),
+        ("configuration_set", "Configuration set"),
+        ("template", "Template"),
+    ):
+        value = payload.get(field)
+        if isinstance(value, list):
+            value = ", ".join(str(v) for v in value)
+        if value:
+            shown.append((label, str(value)))
+    custom = payload.get("headers")
+    pairs = (
+        custom.items() if isinstance(custom, dict) else custom if isinstance(custom, list) else ()
+    )
+    for pair in pairs:
+        if isinstance(pair, list | tuple) and len(pair) == 2:
+            shown.append((str(pair[0]), str(pair[1])))
+    return shown
+
+
+def _timeline(message: dict[str, Any], found: dict[str, Any]) -> list[dict[str, Any]]:
+    """Everything that happened to a message, oldest first."""
+    entries: list[dict[str, Any]] = [
+        {"at": message["created_at"], "what": "enqueued", "detail": message["category"]}
+    ]
+    for a in found["attempts"]:
+        entries.append(
+            {
+                "at": a["started_at"],
+                "what": f"attempt: {a['outcome']}",
+                "detail": " ".join(
+                    str(v)
+                    for v in (
+                        a["relay_id"],
+                        a["error_code"],
+                        a["error_message"],
+                        a["provider_message_id"],
+                    )
+                    if v
+                ),
+            }
+        )
+    for e in found["events"]:
+        entries.append(
+            {
+                "at": e["event_at"],
+                "what": f"SES event: {e['event_type']}",
+                "detail": " ".join(
+                    str(v) for v in (e["detail"], e["recipients"], e["effect"]) if v
+                ),
+            }
+        )
+    for o in found["actions"]:
+        entries.append(
+            {
+                "at": o["at"],
+                "what": f"operator: {o['action']}",
+                "detail": " ".join(str(v) for v in (o["actor"], o["reason"]) if v),
+            }
+        )
+    if message.get("body_dropped_at"):
+        entries.append(
+            {"at": message["body_dropped_at"], "what": "body dropped", "detail": "prune"}
+        )
+    far = datetime.min.replace(tzinfo=UTC)
+
+    def moment(entry: dict[str, Any]) -> datetime:
+        at = entry["at"]
+        if not isinstance(at, datetime):
+            return far
+        return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+    return sorted(entries, key=moment)

@@ -1,0 +1,202 @@
+"""The operator console in a real browser (Debian's chromium through Selenium) on SQLite,
+PostgreSQL and MariaDB: logging in, the overview, filtering messages and paging, one
+message's timeline and its sandboxed body, a viewer's masked view and refused body, a forged
+cross-site POST refused, and the real ``outbox-relay ui`` process refusing to start without
+an authentication source and serving a browser once it has one.
+
+With ``OUTBOX_SCREENSHOTS=docs/images`` the run saves the pictures of each page the docs show
+(docs/operations/console.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from selenium.webdriver.common.by import By
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Mount, Route
+
+from outbox.schema import messages
+from relay.console import Auth, Role, UsersFile, add_user, create_app
+from tests.support.browser import LiveServer, chromium, screenshot, wait_until
+from tests.support.factories import email, enqueue
+from tests.support.relays import RELAY
+
+PASSWORD = "correct horse battery"
+
+
+@pytest.fixture
+def users(tmp_path: Path) -> Path:
+    path = tmp_path / "users"
+    add_user(path, "olga@example.com", Role.OPERATOR, PASSWORD)
+    add_user(path, "vic", Role.VIEWER, PASSWORD)
+    return path
+
+
+@pytest.fixture
+def console(backend, users) -> Iterator[LiveServer]:
+    """The console mounted under /outbox in an app of its own, as an app mounts it."""
+    app = Starlette(
+        routes=[
+            Mount("/outbox", create_app(backend.engine, auth=Auth(users_file=UsersFile(users))))
+        ]
+    )
+    with LiveServer(app) as server:
+        yield server
+
+
+def log_in(driver, base: str, name: str) -> None:
+    driver.get(f"{base}/login")
+    driver.find_element(By.ID, "name").send_keys(name)
+    driver.find_element(By.ID, "password").send_keys(PASSWORD)
+    driver.find_element(By.ID, "login").click()
+    wait_until(driver, lambda d: d.find_elements(By.ID, "totals"), message="the overview")
+
+
+def shown_ids(driver) -> list[int]:
+    return [
+        int(row.get_attribute("data-id"))
+        for row in driver.find_elements(By.CSS_SELECTOR, "tr[data-id]")
+    ]
+
+
+def test_an_operator_logs_in_filters_pages_and_reads_a_timeline(backend, console):
+    ids = enqueue(backend.engine, 55, short=True, prefix="order")
+    (html_id,) = enqueue(
+        backend.engine,
+        [
+            email(
+                99,
+                to=["jane.doe@example.com"],
+                html='<h1 id="inside">Your order</h1>'
+                '<script>parent.document.title="owned"</script>',
+            )
+        ],
+    )
+    with backend.engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id.in_(ids[:2]))
+            .values(status="failed", last_error_code="MessageRejected", attempt_count=1)
+        )
+    base = f"{console.url}/outbox"
+    with chromium() as driver:
+        log_in(driver, base, "olga@example.com")
+        totals = {
+            cell.get_attribute("data-status"): int(cell.text)
+            for cell in driver.find_elements(By.CSS_SELECTOR, "#totals td")
+        }
+        assert totals["pending"] == 54
+        assert totals["failed"] == 2
+        screenshot(driver, "console-overview")
+
+        driver.find_element(By.LINK_TEXT, "Messages").click()
+        wait_until(driver, lambda d: d.find_elements(By.ID, "messages"), message="the list")
+        assert shown_ids(driver) == sorted([*ids, html_id], reverse=True)[:50]
+        driver.find_element(By.ID, "older").click()
+        wait_until(driver, lambda d: "before=" in d.current_url, message="the next page")
+        assert shown_ids(driver) == sorted([*ids, html_id], reverse=True)[50:]
+
+        driver.get(f"{base}/messages")
+        driver.find_element(By.CSS_SELECTOR, 'input[name="status"][value="failed"]').click()
+        driver.find_element(By.ID, "error-code").send_keys("MessageRejected")
+        driver.find_element(By.ID, "apply").click()
+        wait_until(driver, lambda d: "status=failed" in d.current_url, message="the filter")
+        assert shown_ids(driver) == sorted(ids[:2], reverse=True)
+        screenshot(driver, "console-messages")
+
+        driver.get(f"{base}/messages/{html_id}")
+        assert driver.find_element(By.ID, "recipients").text == "jane.doe@example.com"
+        timeline = driver.find_element(By.ID, "timeline").text
+        assert "enqueued" in timeline
+        frame = driver.find_element(By.ID, "body")
+        assert frame.get_attribute("sandbox") == ""
+        driver.switch_to.frame(frame)
+        assert driver.find_element(By.ID, "inside").text == "Your order"
+        driver.switch_to.default_content()
+        time.sleep(0.3)  # a script in the body would have run by now
+        assert driver.title != "owned"
+        screenshot(driver, "console-message")
+
+
+def test_a_viewer_sees_masked_addresses_and_is_refused_a_body(backend, console):
+    (mid,) = enqueue(
+        backend.engine, [email(1, to=["jane.doe@example.com"], html="<p>code 4711</p>")]
+    )
+    base = f"{console.url}/outbox"
+    with chromium() as driver:
+        log_in(driver, base, "vic")
+        driver.get(f"{base}/messages/{mid}")
+        assert driver.find_element(By.ID, "recipients").text == "j\u2022\u2022\u2022@example.com"
+        assert driver.find_elements(By.ID, "no-body")
+        assert "4711" not in driver.page_source
+        assert "jane.doe" not in driver.page_source
+        driver.get(f"{base}/messages/{mid}/body")
+        assert driver.find_element(By.ID, "refused").text == "Only an operator may see this."
+
+
+def evil_site(target: str) -> Starlette:
+    """Another site's page that posts a form to the console as soon as it loads."""
+
+    async def page(request: Request) -> Response:
+        return HTMLResponse(
+            f'<form id="f" method="post" action="{target}"><input name="csrf" value="guess"></form>'
+            '<script>document.getElementById("f").submit()</script>'
+        )
+
+    return Starlette(routes=[Route("/", page)])
+
+
+def test_a_forged_cross_site_post_is_refused_and_the_session_stays(backend, console):
+    base = f"{console.url}/outbox"
+    with chromium() as driver, LiveServer(evil_site(f"{base}/logout")) as evil:
+        log_in(driver, base, "olga@example.com")
+        # localhost and 127.0.0.1 are different sites: the browser says cross-site
+        driver.get(evil.url.replace("127.0.0.1", "localhost") + "/")
+        wait_until(driver, lambda d: "/logout" in d.current_url, message="the forged POST")
+        assert "Refused" in driver.find_element(By.TAG_NAME, "h1").text
+        driver.get(f"{base}/")
+        assert driver.find_elements(By.ID, "totals"), "the forged POST logged the operator out"
+
+
+def test_the_real_ui_command_refuses_without_auth_then_serves_a_browser(backend, users, tmp_path):
+    command = [RELAY, "ui", "--database-url", backend.url]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "Error: the console needs an authentication source: --users-file "
+        "(OUTBOX_UI_USERS_FILE; add users with `outbox-relay ui-user add`) or --trusted-header "
+        "with --trusted-proxy"
+    ]
+    with LiveServer(Starlette()) as probe:  # a free port, given back for the real process
+        port = probe.port
+    env = {**os.environ, "OUTBOX_UI_USERS_FILE": str(users)}
+    process = subprocess.Popen(
+        [*command, "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stderr is not None
+        assert process.stderr.readline().strip() == f"console on http://127.0.0.1:{port}/"
+        with chromium() as driver:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    log_in(driver, f"http://127.0.0.1:{port}", "vic")
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            assert "vic (viewer)" in driver.find_element(By.TAG_NAME, "header").text
+    finally:
+        process.terminate()
+        process.wait(15)
+        if process.stderr is not None:
+            process.stderr.close()

@@ -1,0 +1,254 @@
+"""The operator console over HTTP (Starlette's test client) on SQLite, PostgreSQL and MariaDB:
+locked by default, its sessions, CSRF and fetch-site checks, the login throttle, what each
+role sees, and its pages read through the store. The real browser's tests are in
+tests/acceptance/test_console_browser.py."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from starlette.testclient import TestClient
+
+from outbox.exceptions import ConfigurationError
+from outbox.schema import messages
+from relay.cli import main
+from relay.console import Auth, Role, UsersFile, add_user, create_app, remove_user
+from relay.console.guard import CONTENT_SECURITY_POLICY, SESSION_COOKIE
+from tests.support.factories import email, enqueue
+
+PASSWORD = "correct horse battery"
+NONCE = re.compile(r'name="nonce" value="([^"]+)"')
+CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+@pytest.fixture
+def users(tmp_path: Path) -> Path:
+    path = tmp_path / "users"
+    add_user(path, "olga@example.com", Role.OPERATOR, PASSWORD)
+    add_user(path, "vic", Role.VIEWER, PASSWORD)
+    return path
+
+
+def client(engine: sa.Engine, users: Path, **kw: object) -> TestClient:
+    app = create_app(engine, auth=Auth(users_file=UsersFile(users)), secure_cookies=False, **kw)  # type: ignore[arg-type]
+    return TestClient(app, base_url="http://console.test", follow_redirects=False)
+
+
+def login(c: TestClient, name: str, password: str = PASSWORD) -> object:
+    page = c.get("/login")
+    nonce = NONCE.search(page.text)
+    assert nonce is not None, page.text
+    return c.post(
+        "/login",
+        data={"name": name, "password": password, "nonce": nonce.group(1)},
+        headers={"Sec-Fetch-Site": "same-origin"},
+    )
+
+
+def test_it_will_not_start_without_an_authentication_source(engine, tmp_path):
+    with pytest.raises(ConfigurationError, match="authentication"):
+        create_app(engine, auth=Auth())
+    with pytest.raises(ConfigurationError, match="--trusted-proxy"):
+        create_app(engine, auth=Auth(trusted_header="X-Forwarded-Email"))
+    result = CliRunner().invoke(main, ["ui", "--database-url", "sqlite://"])
+    assert result.exit_code == 2
+    assert "needs an authentication source" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_every_page_asks_for_a_login_first(engine, users):
+    c = client(engine, users)
+    for path in ("/", "/messages", "/messages/1", "/messages/1/body", "/suppressions", "/relays"):
+        response = c.get(path)
+        assert response.status_code == 303, path
+        assert response.headers["location"].endswith("/login")
+
+
+def test_a_login_issues_a_fresh_session_and_a_wrong_password_none(engine, users):
+    c = client(engine, users)
+    c.cookies.set(SESSION_COOKIE, "planted-by-an-attacker")
+    wrong = login(c, "olga@example.com", "not the password!")
+    assert wrong.status_code == 401  # type: ignore[attr-defined]
+    assert c.get("/").status_code == 303
+    right = login(c, "olga@example.com")
+    assert right.status_code == 303  # type: ignore[attr-defined]
+    cookie = right.headers["set-cookie"]  # type: ignore[attr-defined]
+    assert "HttpOnly" in cookie
+    assert "SameSite=strict" in cookie.replace("Strict", "strict")
+    assert right.cookies[SESSION_COOKIE] != "planted-by-an-attacker"  # type: ignore[attr-defined]
+    page = c.get("/")
+    assert page.status_code == 200
+    assert page.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+    assert page.headers["x-frame-options"] == "DENY"
+
+
+def test_secure_cookies_by_default(engine, users):
+    app = create_app(engine, auth=Auth(users_file=UsersFile(users)))
+    c = TestClient(app, base_url="https://console.test", follow_redirects=False)
+    response = login(c, "vic")
+    assert "Secure" in response.headers["set-cookie"]  # type: ignore[attr-defined]
+
+
+def test_a_login_from_another_site_is_refused(engine, users):
+    c = client(engine, users)
+    nonce = NONCE.search(c.get("/login").text)
+    assert nonce is not None
+    forged = c.post(
+        "/login",
+        data={"name": "vic", "password": PASSWORD, "nonce": nonce.group(1)},
+        headers={"Sec-Fetch-Site": "cross-site"},
+    )
+    assert forged.status_code == 403
+    no_nonce = c.post(
+        "/login",
+        data={"name": "vic", "password": PASSWORD},
+        headers={"Sec-Fetch-Site": "same-origin"},
+    )
+    assert no_nonce.status_code == 403
+    assert SESSION_COOKIE not in c.cookies
+
+
+def test_logging_out_needs_the_sessions_csrf_token(engine, users):
+    c = client(engine, users)
+    login(c, "vic")
+    page = c.get("/")
+    token = CSRF.search(page.text)
+    assert token is not None
+    same_site = {"Sec-Fetch-Site": "same-origin"}
+    assert c.post("/logout", data={"csrf": "guessed"}, headers=same_site).status_code == 403
+    assert (
+        c.post(
+            "/logout", data={"csrf": token.group(1)}, headers={"Sec-Fetch-Site": "cross-site"}
+        ).status_code
+        == 403
+    )
+    assert c.post("/logout", data={"csrf": token.group(1)}, headers=same_site).status_code == 303
+
+
+def test_the_login_throttle_stops_guessing_and_says_when_to_come_back(engine, users):
+    c = client(engine, users)
+    for _ in range(5):
+        assert login(c, "vic", "wrong password!!").status_code == 401  # type: ignore[attr-defined]
+    throttled = login(c, "vic")  # the right password no longer helps for a while
+    assert throttled.status_code == 429  # type: ignore[attr-defined]
+    assert int(throttled.headers["retry-after"]) > 0  # type: ignore[attr-defined]
+    assert c.get("/").status_code == 303
+
+
+def test_removing_a_user_ends_their_session_at_once(engine, users):
+    c = client(engine, users)
+    login(c, "vic")
+    assert c.get("/").status_code == 200
+    assert remove_user(users, "vic")
+    assert c.get("/").status_code == 303
+    add_user(users, "vic", Role.VIEWER, PASSWORD + "!")  # back, with another password
+    assert c.get("/").status_code == 200  # the old session names a user the file lists again
+
+
+def test_a_viewer_sees_addresses_masked_and_no_body(engine, users):
+    (mid,) = enqueue(
+        engine, [email(1, to=["jane.doe@example.com"], html="<p>secret code 4711</p>")]
+    )
+    viewer, operator = client(engine, users), client(engine, users)
+    login(viewer, "vic")
+    login(operator, "olga@example.com")
+    listed = viewer.get("/messages")
+    assert "jane.doe@example.com" not in listed.text
+    assert "j\u2022\u2022\u2022@example.com" in listed.text
+    detail = viewer.get(f"/messages/{mid}")
+    assert "jane.doe" not in detail.text
+    assert "4711" not in detail.text
+    assert viewer.get(f"/messages/{mid}/body").status_code == 403
+    shown = operator.get(f"/messages/{mid}")
+    assert "jane.doe@example.com" in shown.text
+    body = operator.get(f"/messages/{mid}/body")
+    assert "secret code 4711" in body.text
+    assert body.headers["content-security-policy"].startswith("sandbox;")
+
+
+def test_html_in_a_subject_or_a_key_is_shown_as_text(engine, users):
+    enqueue(
+        engine,
+        [email(1, subject='<script>alert("x")</script><img src=x onerror=alert(1)>')],
+        key="<b>k</b>",
+    )
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    page = c.get("/messages")
+    assert "<script>alert" not in page.text
+    assert "<img src=x" not in page.text
+    assert "&lt;script&gt;" in page.text
+    assert "&lt;b&gt;k&lt;/b&gt;" in page.text
+
+
+def test_messages_filter_and_page_newest_first(engine, users):
+    ids = enqueue(engine, 60, short=True, prefix="order")
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == ids[3])
+            .values(status="failed", last_error_code="MessageRejected")
+        )
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    first = c.get("/messages")
+    shown = [int(i) for i in re.findall(r'<tr data-id="(\d+)"', first.text)]
+    assert shown == sorted(ids, reverse=True)[:50]
+    older = re.search(r'id="older" href="([^"]+)"', first.text)
+    assert older is not None
+    second = c.get(older.group(1).replace("&amp;", "&").removeprefix(""))
+    rest = [int(i) for i in re.findall(r'<tr data-id="(\d+)"', second.text)]
+    assert rest == sorted(ids, reverse=True)[50:]
+    failed = c.get("/messages", params={"status": "failed", "error": "MessageRejected"})
+    assert re.findall(r'<tr data-id="(\d+)"', failed.text) == [str(ids[3])]
+    keyed = c.get("/messages", params={"key": "order:1*"})
+    assert sorted(int(i) for i in re.findall(r'<tr data-id="(\d+)"', keyed.text)) == [
+        ids[1],
+        *ids[10:20],
+    ]
+
+
+def test_one_message_shows_its_timeline(engine, users):
+    (mid,) = enqueue(engine, [email(1, headers={"X-Order": "1"})])
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    page = c.get(f"/messages/{mid}")
+    assert page.status_code == 200
+    assert "<th>From</th><td>Shop &lt;shop@example.com&gt;</td>" in page.text
+    assert "<th>X-Order</th><td>1</td>" in page.text
+    assert "enqueued" in page.text
+    assert "Order 1" in page.text
+    assert c.get("/messages/999999999").status_code == 404
+    assert c.get("/messages/nope").status_code == 404
+
+
+def test_overview_suppressions_and_relays_pages_answer(engine, users):
+    enqueue(engine, 3, short=True)
+    c = client(engine, users)
+    login(c, "vic")
+    overview = c.get("/")
+    assert re.search(r'data-status="pending">3<', overview.text), overview.text
+    assert c.get("/suppressions").status_code == 200
+    assert c.get("/relays").status_code == 200
+
+
+def test_a_trusted_header_is_believed_only_from_the_named_proxies(engine):
+    auth = Auth(
+        trusted_header="X-Forwarded-Email",
+        trusted_proxies=(ipaddress.ip_network("127.0.0.0/8"),),
+        operators=frozenset({"boss@example.com"}),
+    )
+    app = create_app(engine, auth=auth)
+    # Starlette's test client connects from "testclient", not an address: never trusted
+    stranger = TestClient(app, follow_redirects=False)
+    assert stranger.get("/", headers={"X-Forwarded-Email": "boss@example.com"}).status_code == 303
+    trusted = TestClient(app, follow_redirects=False, client=("127.0.0.1", 50000))
+    assert trusted.get("/", headers={"X-Forwarded-Email": "boss@example.com"}).status_code == 200
+    assert trusted.get("/").status_code == 303
+    as_viewer = trusted.get("/messages/1/body", headers={"X-Forwarded-Email": "eve@example.com"})
+    assert as_viewer.status_code == 403
