@@ -116,18 +116,21 @@ def in_batches(
     *,
     by_id: bool,
     apply: Callable[..., list[int]],
+    advance: Callable[[int], None] | None = None,
 ) -> list[int]:
     """The ids changed, batch by batch in id order. Stopped part way, it says how far it got:
     the batches before are committed, the rest unchanged, so running it again finishes it --
     with the same filters, or with the given ids not yet reached (the same ids again would be
-    refused: the ones done are no longer in a status the command changes)."""
+    refused: the ones done are no longer in a status the command changes). ``advance`` is
+    told each batch's size (None: a progress bar on a terminal, as the commands show)."""
     done: list[int] = []
     reached = 0  # how many of ``chosen`` the committed batches covered
     committing: list[int] = []  # the changes of a batch whose COMMIT is under way
     verb, done_as, actor = change.verb, change.done_as, change.actor
     operator = operator_id(actor)
     try:
-        with progress(len(chosen), f"{verb} {len(chosen)} message(s)") as advance:
+        bar = progress(len(chosen), f"{verb} {len(chosen)} message(s)")
+        with bar if advance is None else contextlib.nullcontext(advance) as advance_by:
             for start in range(0, len(chosen), CHANGE_BATCH):
                 batch = chosen[start : start + CHANGE_BATCH]
                 with engine.begin() as conn:
@@ -156,7 +159,7 @@ def in_batches(
                 committing = []
                 done += changed
                 reached = start + len(batch)
-                advance(len(batch))
+                advance_by(len(batch))
     except (KeyboardInterrupt, sa.exc.DBAPIError) as exc:
         why = why_stopped(exc)
         unsure = ""

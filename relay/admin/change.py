@@ -22,10 +22,10 @@ from relay.cli_options import database_url
 from relay.clock import read_database_time
 from relay.store import operator as ops
 
-__all__ = ["cancel", "requeue", "resolve"]
+__all__ = ["cancel", "check_provider_id", "requeue", "resolve", "resolve_one", "select_for_change"]
 
 
-def _select(
+def select_for_change(
     conn: sa.Connection,
     ids: Sequence[int],
     flt: store.Filter,
@@ -34,10 +34,10 @@ def _select(
     *,
     needs_body: bool,
 ) -> tuple[list[int], list[int]]:
-    """The ids a command will change; refuses, changing nothing, if any given id is unknown or
-    in a status the command cannot change, or (``needs_body``: it would be sent again) lost its
-    body to prune. Filters leave such messages out, with a line on stderr: (the ids to change,
-    the ids left out so)."""
+    """The ids a change (the command's or the console's) will make; refuses
+    (:class:`click.ClickException`), changing nothing, if any given id is unknown or in a
+    status the command cannot change, or (``needs_body``: it would be sent again) lost its
+    body to prune. Filters leave such messages out: (the ids to change, the ids left out so)."""
     allowed = tuple(allowed)
     if ids:
         found = store.statuses_of(conn, ids)
@@ -69,12 +69,6 @@ def _select(
     # that says what it is now
     kept = store.message_ids(conn, dataclasses.replace(chosen, has_body=True))
     left_out = store.message_ids(conn, dataclasses.replace(chosen, has_body=False))
-    if left_out:
-        click.echo(
-            f"{len(left_out)} matching message(s) left out: prune dropped their bodies "
-            "(--keep-bodies), so there is nothing to send",
-            err=True,
-        )
     return kept, left_out
 
 
@@ -109,10 +103,16 @@ def _change(
     flt = options.to_filter(**filters)
     with options.database(database_url) as engine:
         with engine.connect() as conn:
-            found, left_out = _select(
+            found, left_out = select_for_change(
                 conn, ids, flt, allowed, verb, needs_body=action is OperatorAction.REQUEUE
             )
             chosen = sorted(set(found))
+        if left_out:
+            click.echo(
+                f"{len(left_out)} matching message(s) left out: prune dropped their bodies "
+                "(--keep-bodies), so there is nothing to send",
+                err=True,
+            )
         bodiless = {"left_out_bodiless_ids": left_out} if left_out else {}
         if not ids and not yes:
             raise click.UsageError(f"{len(chosen)} messages match; add --yes to {verb} them all")
@@ -239,7 +239,8 @@ _WHY_NOT_RESOLVED = {
 _PROVIDER_ID_LENGTH: int = cast(sa.String, messages.c.provider_message_id.type).length or 0
 
 
-def _check_provider_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+def check_provider_id(value: str | None) -> str | None:
+    """An SES message id an operator gives: 1 to the column's length, printable."""
     if value is not None and not (1 <= len(value) <= _PROVIDER_ID_LENGTH and value.isprintable()):
         raise click.BadParameter(f"must be 1 to {_PROVIDER_ID_LENGTH} printable characters")
     return value
@@ -252,7 +253,7 @@ def _check_provider_id(ctx: click.Context, param: click.Parameter, value: str | 
 @click.option("--not-delivered", is_flag=True, help="It did not: requeue it (as `requeue` does).")
 @click.option(
     "--provider-message-id",
-    callback=_check_provider_id,
+    callback=lambda _ctx, _param, value: check_provider_id(value),
     help="With --delivered: the SES message id that proves it (kept on the row).",
 )
 @click.option("--reason", help="Why: recorded with the message's attempts and in the log.")
@@ -278,22 +279,44 @@ def resolve(
         raise click.UsageError("give exactly one of --delivered or --not-delivered")
     if not_delivered and provider_message_id is not None:
         raise click.UsageError("--provider-message-id goes with --delivered only")
-    with options.database(database_url) as engine, engine.begin() as conn:
+    with options.database(database_url) as engine:
+        result = resolve_one(
+            engine,
+            message_id,
+            delivered=delivered,
+            provider_message_id=provider_message_id,
+            reason=reason,
+            actor=actor,
+        )
+    if as_json:
+        click.echo(to_json({"command": "resolve", "message_id": message_id, **result}))
+        return
+    how = "delivered: sent" if delivered else "not delivered: requeued"
+    click.echo(f"resolved message {message_id} as {how} (was {result['previous_status']})")
+
+
+def resolve_one(
+    engine: sa.Engine,
+    message_id: int,
+    *,
+    delivered: bool,
+    provider_message_id: str | None,
+    reason: str | None,
+    actor: str,
+) -> dict[str, Any]:
+    """Resolve one message (the command's and the console's): in one transaction, its row
+    locked and changed, its attempt row and its log row; refused
+    (:class:`click.ClickException`) with nothing changed when its status does not allow it."""
+    with engine.begin() as conn:
         now = read_database_time(conn)
         previous = ops.lock_for_change(conn, [message_id]).get(message_id)
         if previous is None:
             raise click.ClickException(f"no message with id {message_id}")
         if delivered:
-            result = _resolve_delivered(
+            return _resolve_delivered(
                 conn, message_id, previous, now, provider_message_id, reason, actor
             )
-        else:
-            result = _resolve_not_delivered(conn, message_id, previous, now, reason, actor)
-    if as_json:
-        click.echo(to_json({"command": "resolve", "message_id": message_id, **result}))
-        return
-    how = "delivered: sent" if delivered else "not delivered: requeued"
-    click.echo(f"resolved message {message_id} as {how} (was {previous})")
+        return _resolve_not_delivered(conn, message_id, previous, now, reason, actor)
 
 
 def _resolve_delivered(
