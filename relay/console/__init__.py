@@ -18,6 +18,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from outbox.exceptions import ConfigurationError
+from relay.console.actions import Actions
 from relay.console.guard import Auth, LoginThrottle, SecurityHeaders, Sessions
 from relay.console.users import Role, User, UsersFile, add_user, remove_user
 from relay.console.views import HERE, Pages
@@ -54,6 +55,7 @@ def create_app(
         raise ConfigurationError("the console's secret key", "use at least 32 bytes")
     sessions = Sessions(secret_key or secrets.token_bytes(32), auth, secure=secure_cookies)
     pages = Pages(engine, sessions, LoginThrottle())
+    actions = Actions(pages)
     viewer, operator = Role.VIEWER, Role.OPERATOR
     routes = [
         Route("/login", pages.login_form, methods=["GET"]),
@@ -63,6 +65,9 @@ def create_app(
         Route("/messages", pages.page(viewer, pages.messages)),
         Route("/messages/{message_id}", pages.page(viewer, pages.message)),
         Route("/messages/{message_id}/body", pages.page(operator, pages.body)),
+        Route("/messages/{message_id}/act", pages.page(operator, actions.one), methods=["POST"]),
+        Route("/actions/preview", pages.page(operator, actions.preview)),
+        Route("/actions/apply", pages.page(operator, actions.apply), methods=["POST"]),
         Route("/suppressions", pages.page(viewer, pages.suppressions)),
         Route("/relays", pages.page(viewer, pages.relays)),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),

@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData, QueryParams
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
@@ -23,7 +24,7 @@ from relay.console.guard import LoginThrottle, Session, Sessions, cross_site, cs
 from relay.console.users import Role
 from relay.store import operator as ops
 
-__all__ = ["HERE", "LOGIN_COOKIE", "PAGE_SIZE", "Pages", "masked"]
+__all__ = ["HERE", "LOGIN_COOKIE", "PAGE_SIZE", "Pages", "masked", "message_filter", "number"]
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -37,6 +38,20 @@ def masked(value: Any) -> str:
     return _EMAIL.sub(lambda m: f"{m.group(1)[0]}\u2022\u2022\u2022@{m.group(2)}", str(value))
 
 
+def message_filter(params: QueryParams | FormData) -> store.Filter:
+    """The messages a page's filters (its query, or a form that repeats them) mean; values
+    that are not statuses or dates are ignored, never an error."""
+    known = {m.value for m in Status}
+    return store.Filter(
+        statuses=tuple(s for s in params.getlist("status") if s in known),
+        categories=tuple(str(c) for c in params.getlist("category") if c),
+        key=str(params.get("key") or "") or None,
+        error_code=str(params.get("error") or "") or None,
+        created_after=_day(str(params.get("from") or "")),
+        created_before=_day(str(params.get("until") or "")),
+    )
+
+
 def _when(value: Any) -> str:
     if not isinstance(value, datetime):
         return "" if value is None else str(value)
@@ -44,7 +59,8 @@ def _when(value: Any) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") + "Z"
 
 
-def _int(text: str | None) -> int | None:
+def number(text: str | None) -> int | None:
+    """A positive id from a URL or a form, else None."""
     return int(text) if text and text.isdigit() and len(text) < 19 else None
 
 
@@ -197,16 +213,8 @@ class Pages:
 
     async def messages(self, request: Request, session: Session) -> Response:
         q = request.query_params
-        statuses = tuple(s for s in q.getlist("status") if s in {m.value for m in Status})
-        flt = store.Filter(
-            statuses=statuses,
-            categories=tuple(c for c in q.getlist("category") if c),
-            key=q.get("key") or None,
-            error_code=q.get("error") or None,
-            created_after=_day(q.get("from")),
-            created_before=_day(q.get("until")),
-        )
-        before = _int(q.get("before"))
+        flt = message_filter(q)
+        before = number(q.get("before"))
 
         def work(conn: sa.Connection) -> list[dict[str, Any]]:
             rows = store.list_messages(
@@ -224,12 +232,13 @@ class Pages:
             rows=rows,
             query=q,
             statuses=[s.value for s in Status],
-            chosen=set(statuses),
+            chosen=set(flt.statuses),
+            filters=[(k, v) for k, v in q.multi_items() if k != "before"],
             next_before=rows[-1]["id"] if more else None,
         )
 
     async def message(self, request: Request, session: Session) -> Response:
-        message_id = _int(request.path_params["message_id"])
+        message_id = number(request.path_params["message_id"])
 
         def work(conn: sa.Connection) -> dict[str, Any] | None:
             if message_id is None:
@@ -261,12 +270,13 @@ class Pages:
             has_html=bool(payload.get("html")) and message["body_dropped_at"] is None,
             text_body=payload.get("text") if message["body_dropped_at"] is None else None,
             timeline=_timeline(message, found),
+            can=_actions_for(message["status"]),
         )
 
     async def body(self, request: Request, session: Session) -> Response:
         """The email's HTML on its own, for the sandboxed frame of the message page: no
         script runs and nothing is fetched (remote images stay out: no tracking pixel)."""
-        message_id = _int(request.path_params["message_id"])
+        message_id = number(request.path_params["message_id"])
 
         def work(conn: sa.Connection) -> Any:
             row, _ = store.get_message(conn, message_id) if message_id is not None else (None, [])
@@ -305,6 +315,19 @@ class Pages:
     async def relays(self, request: Request, session: Session) -> Response:
         rows = await self.read(lambda conn: store.read_view(conn, "outbox_relay_health"))
         return self.render(request, "relays.html", session, rows=rows)
+
+
+def _actions_for(status: str) -> set[str]:
+    """The actions the message page offers an operator for a message in ``status`` (the
+    change re-checks it: the status may move before the form is sent)."""
+    can = set()
+    if status in store.REQUEUEABLE:
+        can |= {"requeue", "resolve_not_delivered"}
+    if status in store.CANCELLABLE:
+        can.add("cancel")
+    if status not in (Status.PROCESSING.value, Status.SENT.value, Status.CANCELLED.value):
+        can.add("resolve_delivered")
+    return can
 
 
 def _headers(payload: dict[str, Any]) -> list[tuple[str, str]]:

@@ -200,3 +200,42 @@ def test_the_real_ui_command_refuses_without_auth_then_serves_a_browser(backend,
         process.wait(15)
         if process.stderr is not None:
             process.stderr.close()
+
+
+def test_a_bulk_requeue_through_its_preview(backend, console):
+    ids = enqueue(backend.engine, 8, short=True, prefix="invoice")
+    with backend.engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id.in_(ids[:5]))
+            .values(status="failed", last_error_code="MessageRejected", attempt_count=3)
+        )
+    base = f"{console.url}/outbox"
+    with chromium() as driver:
+        log_in(driver, base, "olga@example.com")
+        driver.get(f"{base}/messages?status=failed")
+        driver.find_element(By.ID, "bulk-requeue").click()
+        wait_until(driver, lambda d: d.find_elements(By.ID, "preview"), message="the preview")
+        assert driver.find_element(By.ID, "matched").text == "5"
+        assert driver.find_element(By.ID, "chosen").text == "5"
+        screenshot(driver, "console-preview")
+        driver.find_element(By.ID, "reason").send_keys("SES sandbox lifted")
+        driver.find_element(By.ID, "apply").click()
+        wait_until(driver, lambda d: d.find_elements(By.ID, "outcome"), message="the outcome")
+        assert driver.find_element(By.ID, "outcome").text == "requeued 5 message(s)"
+    with backend.engine.connect() as conn:
+        got = dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
+    assert [got[i] for i in ids] == ["pending"] * 8
+
+
+def test_a_viewer_is_offered_no_action_and_refused_one(backend, console):
+    (mid,) = enqueue(backend.engine, [email(1)])
+    base = f"{console.url}/outbox"
+    with chromium() as driver:
+        log_in(driver, base, "vic")
+        driver.get(f"{base}/messages/{mid}")
+        assert not driver.find_elements(By.ID, "actions")
+        driver.get(f"{base}/messages")
+        assert not driver.find_elements(By.ID, "bulk-cancel")
+        driver.get(f"{base}/actions/preview?action=cancel")
+        assert driver.find_element(By.ID, "refused").text == "Only an operator may see this."

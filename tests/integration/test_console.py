@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from starlette.testclient import TestClient
 
 from outbox.exceptions import ConfigurationError
-from outbox.schema import messages
+from outbox.schema import messages, operator_actions
 from relay.cli import main
 from relay.console import Auth, Role, UsersFile, add_user, create_app, remove_user
 from relay.console.guard import CONTENT_SECURITY_POLICY, SESSION_COOKIE
@@ -252,3 +252,113 @@ def test_a_trusted_header_is_believed_only_from_the_named_proxies(engine):
     assert trusted.get("/").status_code == 303
     as_viewer = trusted.get("/messages/1/body", headers={"X-Forwarded-Email": "eve@example.com"})
     assert as_viewer.status_code == 403
+
+
+# -- actions -------------------------------------------------------------------------------
+
+
+def csrf_of(c: TestClient, path: str) -> str:
+    token = CSRF.search(c.get(path).text)
+    assert token is not None
+    return token.group(1)
+
+
+SAME = {"Sec-Fetch-Site": "same-origin"}
+
+
+def test_an_operator_requeues_one_message_with_a_reason_logged_under_their_name(engine, users):
+    (mid,) = enqueue(engine, [email(1)])
+    with engine.begin() as conn:
+        conn.execute(sa.update(messages).where(messages.c.id == mid).values(status="failed"))
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    token = csrf_of(c, f"/messages/{mid}")
+    done = c.post(
+        f"/messages/{mid}/act",
+        data={"csrf": token, "action": "requeue", "reason": "the domain is fixed"},
+        headers=SAME,
+    )
+    assert done.status_code == 200, done.text
+    assert f"requeued message {mid}" in done.text
+    with engine.connect() as conn:
+        assert (
+            conn.execute(sa.select(messages.c.status).where(messages.c.id == mid)).scalar_one()
+            == "pending"
+        )
+        logged = conn.execute(
+            sa.select(
+                operator_actions.c.actor, operator_actions.c.action, operator_actions.c.reason
+            )
+        ).all()
+    assert [tuple(r) for r in logged] == [("olga@example.com", "requeue", "the domain is fixed")]
+    again = c.post(f"/messages/{mid}/act", data={"csrf": token, "action": "requeue"}, headers=SAME)
+    assert again.status_code == 409
+    assert "only unknown_outcome or failed messages" in again.text
+
+
+def test_a_viewer_and_a_forged_form_cannot_act(engine, users):
+    (mid,) = enqueue(engine, [email(1)])
+    viewer, operator = client(engine, users), client(engine, users)
+    login(viewer, "vic")
+    login(operator, "olga@example.com")
+    token = csrf_of(viewer, "/")
+    refused = viewer.post(
+        f"/messages/{mid}/act", data={"csrf": token, "action": "cancel"}, headers=SAME
+    )
+    assert refused.status_code == 403
+    forged = operator.post(
+        f"/messages/{mid}/act", data={"csrf": "guess", "action": "cancel"}, headers=SAME
+    )
+    assert forged.status_code == 403
+    cross = operator.post(
+        f"/messages/{mid}/act",
+        data={"csrf": csrf_of(operator, "/"), "action": "cancel"},
+        headers={"Sec-Fetch-Site": "cross-site"},
+    )
+    assert cross.status_code == 403
+    with engine.connect() as conn:
+        assert (
+            conn.execute(sa.select(messages.c.status).where(messages.c.id == mid)).scalar_one()
+            == "pending"
+        )
+
+
+def test_a_bulk_cancel_previews_then_changes_only_what_it_previewed(engine, users):
+    ids = enqueue(engine, 12, short=True, prefix="promo")
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(messages).where(messages.c.id.in_(ids[:2])).values(status="processing")
+        )
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    preview = c.get("/actions/preview", params={"action": "cancel", "key": "promo:*"})
+    assert preview.status_code == 200
+    assert re.search(r'id="matched">12<', preview.text)
+    assert re.search(r'id="chosen">10<', preview.text)
+    assert re.search(r'id="sending">2<', preview.text)
+    late = enqueue(engine, 1, short=True, key="promo:late")  # matches only after the preview
+    form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', preview.text))
+    done = c.post("/actions/apply", data={**form, "reason": "campaign withdrawn"}, headers=SAME)
+    assert done.status_code == 200, done.text
+    assert "cancelled 10 message(s)" in done.text
+    with engine.connect() as conn:
+        got = dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
+    assert [got[i] for i in ids] == ["processing"] * 2 + ["cancelled"] * 10
+    assert got[late[0]] == "pending"
+
+
+def test_a_bulk_requeue_leaves_out_what_prune_took_the_body_of(engine, users):
+    ids = enqueue(engine, 3, short=True)
+    with engine.begin() as conn:
+        conn.execute(sa.update(messages).where(messages.c.id.in_(ids)).values(status="failed"))
+        conn.execute(
+            sa.update(messages).where(messages.c.id == ids[0]).values(body_dropped_at=sa.func.now())
+        )
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    preview = c.get("/actions/preview", params={"action": "requeue", "status": "failed"})
+    assert re.search(r'id="chosen">2<', preview.text)
+    assert re.search(r'id="left-out">1<', preview.text)
+    refused = c.get("/actions/preview", params={"action": "requeue", "status": "sent"})
+    assert refused.status_code == 409
+    assert "cannot requeue sent messages" in refused.text

@@ -38,6 +38,12 @@ COMMAND_LINE = (
     "relay.admin.pruning",
     "relay.admin.suppressions",
     "relay.cli_options",
+    # the console: the command line's peer (its actions run relay.admin's change code)
+    "relay.console",
+    "relay.console.actions",
+    "relay.console.guard",
+    "relay.console.users",
+    "relay.console.views",
 )
 PURE = ("relay.policy", "relay.pause", "relay.ratelimit", "relay.events")
 SHARED_WITH_THE_RELAY = (
