@@ -70,6 +70,7 @@ class Sizes:
     fair_rate: float  # its shared send limit, recipients/s (not scaled)
     soak_seconds: int  # how long the soak enqueues and drains at a steady rate
     retention: int  # sent messages whose retained storage is measured
+    console: int  # messages under the console's messages page
 
     @classmethod
     def make(cls, *, quick: bool, big: bool, scale: float) -> Sizes:
@@ -85,6 +86,7 @@ class Sizes:
                 fair_backlog=2000,
                 soak_seconds=60,
                 retention=20_000,
+                console=20_000,
             )
         else:
             base = dict(
@@ -98,6 +100,7 @@ class Sizes:
                 fair_backlog=50_000,
                 soak_seconds=1800,
                 retention=1_000_000,
+                console=1_000_000,
             )
         if big:
             base.update(backlog_small=10_000, backlog_due=1_000_000, backlog_done=5_000_000)

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from bench.cases import CASES as CORE_CASES
 from bench.cases import Result, Sizes
+from bench.console import console
 from bench.db import prepare
 from bench.retention import retention
 from bench.soak import soak
@@ -25,7 +26,7 @@ from bench.soak import soak
 __all__ = ["CASES", "format_table", "machine", "main"]
 
 # The benchmarks by name; the storage ones live in modules of their own.
-CASES = {**CORE_CASES, "soak": soak, "retention": retention}
+CASES = {**CORE_CASES, "soak": soak, "retention": retention, "console": console}
 
 
 def machine() -> dict[str, Any]:
@@ -95,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help=f"comma-separated subset of {','.join(CASES)} (default: all but soak and retention, "
-        "which take long)",
+        help=f"comma-separated subset of {','.join(CASES)} (default: all but soak, retention "
+        "and console, which take long)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)

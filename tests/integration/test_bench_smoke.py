@@ -182,3 +182,41 @@ def test_retention_bench_measures_less_storage_once_bodies_are_dropped(
     stages = compacted["details"]["bytes_per_message"]
     assert stages["before"]["outbox_messages"]["indexes"]  # the per-index breakdown
     assert stages["compacted"]["outbox_attempts"]["total"] > 0
+
+
+@pytest.mark.parametrize("backend_name", ["sqlite", "postgresql"])
+def test_console_bench_times_every_query_of_the_messages_page(backend_name, request, tmp_path):
+    """1,000 messages of the mix, one operator logged in, each query of the messages page and
+    its bare SELECT timed: every page answered 200, the unfiltered and the deep page showed a
+    full page of rows, and every time is above zero. No speed is asserted here."""
+    out = tmp_path / "bench.json"
+    url = _bench_url(backend_name, request, tmp_path)
+    proc = _run_bench(
+        "--quick", "--scale", "0.05", "--only", "console", "--database-url", url,
+        "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    results = {r["benchmark"]: r for r in report["results"]}
+    headline = results["console /messages p95, worst of 9"]
+    assert headline["target"] == "< 200 ms"
+    assert headline["ratio"] == pytest.approx(headline["value"] / 200)
+    details = headline["details"]
+    assert details["messages"] == 1000
+    assert details["worst"] in details["queries"]
+    queries = details["queries"]
+    assert len(queries) == 9
+    for name, q in queries.items():
+        assert q["status"] == 200, name
+        assert q["page_ms"]["p95"] > 0, (name, q)
+        assert q["select_ms"]["p95"] > 0, (name, q)
+        assert q["rows_shown"] == min(q["rows_selected"], 50), (name, q)
+        assert q["plan"], name
+        row = results[f"console p95, {name}"]
+        assert row["value"] == q["page_ms"]["p95"]
+        assert row["baseline"] == q["select_ms"]["p95"]
+    for name in ("no filter", "deep page"):
+        assert queries[name]["rows_shown"] == 50, queries[name]
+    assert 0 < queries["status=failed"]["matching"] < 1000
+    assert headline["value"] == max(q["page_ms"]["p95"] for q in queries.values())
