@@ -62,6 +62,7 @@ def create_app(
         Route("/login", pages.login, methods=["POST"]),
         Route("/logout", pages.logout, methods=["POST"]),
         Route("/", pages.page(viewer, pages.overview)),
+        Route("/live", pages.page(viewer, pages.live)),
         Route("/messages", pages.page(viewer, pages.messages)),
         Route("/messages/{message_id}", pages.page(viewer, pages.message)),
         Route("/messages/{message_id}/body", pages.page(operator, pages.body)),
@@ -72,4 +73,6 @@ def create_app(
         Route("/relays", pages.page(viewer, pages.relays)),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
-    return SecurityHeaders(Starlette(routes=routes))
+    app = Starlette(routes=routes)
+    app.state.pages = pages  # what a test or a probe may look at: live streams open
+    return SecurityHeaders(app)

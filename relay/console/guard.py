@@ -209,7 +209,7 @@ class SecurityHeaders:
     """Adds the console's security headers to every response that does not set its own."""
 
     def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+        self.app = app  # the console's Starlette app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -4,9 +4,12 @@ JavaScript; a viewer sees addresses masked and never a body."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import secrets
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,18 +19,34 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, QueryParams
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 
 from outbox.schema import Status
 from relay import store
+from relay.clock import read_database_time
 from relay.console.guard import LoginThrottle, Session, Sessions, cross_site, csrf_matches
 from relay.console.users import Role
 from relay.store import operator as ops
 
-__all__ = ["HERE", "LOGIN_COOKIE", "PAGE_SIZE", "Pages", "masked", "message_filter", "number"]
+__all__ = [
+    "CHART_HEIGHT",
+    "HERE",
+    "LIVE_LIMIT",
+    "LIVE_SECONDS",
+    "LIVE_STREAMS",
+    "LOGIN_COOKIE",
+    "PAGE_SIZE",
+    "Pages",
+    "masked",
+    "message_filter",
+    "number",
+]
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
+LIVE_SECONDS = 5.0  # how often an open overview's counts are sent again
+LIVE_LIMIT = 600.0  # a live stream ends after this and the browser opens another
+LIVE_STREAMS = 50  # live streams one console process serves at once
 LOGIN_COOKIE = "outbox_console_login"  # the login form's own CSRF nonce, before any session
 _EMAIL = re.compile(r"([^\s<>\"',;:@]+)@([A-Za-z0-9.-]+\.[A-Za-z]{2,})")
 _REVIEW = {"bounce_rate": 0.05, "complaint_rate": 0.001}  # the rates SES reviews an account at
@@ -86,6 +105,7 @@ class Pages:
             autoescape=select_autoescape(default=True, default_for_string=True),
         )
         self.templates.filters["when"] = _when
+        self.streams = 0  # live pages open now (one event loop: no lock needed)
 
     # -- rendering and access ----------------------------------------------------------------
 
@@ -206,10 +226,41 @@ class Pages:
                 "delivery": ops.read_delivery_summary(conn),
                 "intake": ops.read_event_intake(conn),
                 "relays": store.read_view(conn, "outbox_relay_health"),
+                "hourly": ops.read_hourly_outcomes(conn, now=read_database_time(conn)),
             }
 
         data = await self.read(work)
-        return self.render(request, "overview.html", session, review=_REVIEW, **data)
+        chart = _bars(data.pop("hourly"))
+        return self.render(request, "overview.html", session, review=_REVIEW, chart=chart, **data)
+
+    async def live(self, request: Request, session: Session) -> Response:
+        """GET /live: the overview's counts by status as server-sent events, every
+        ``LIVE_SECONDS`` while the page is open (the page's script closes it while its tab is
+        hidden). Ends when the client goes, when its session ends (a removed user), or after
+        ``LIVE_LIMIT`` seconds (the browser reconnects). At most ``LIVE_STREAMS`` at once."""
+        if self.streams >= LIVE_STREAMS:
+            return Response("too many live pages", status_code=503, headers={"Retry-After": "30"})
+
+        def totals(conn: sa.Connection) -> dict[str, int]:
+            counts = dict.fromkeys((s.value for s in Status), 0)
+            for row in store.read_view(conn, "outbox_status_summary"):
+                counts[row["status"]] = counts.get(row["status"], 0) + int(row["message_count"])
+            return counts
+
+        async def events() -> AsyncIterator[str]:
+            self.streams += 1
+            try:
+                yield "retry: 10000\n\n"
+                started = time.monotonic()
+                while time.monotonic() - started < LIVE_LIMIT:
+                    if await request.is_disconnected() or self.sessions.current(request) is None:
+                        return
+                    yield f"event: totals\ndata: {json.dumps(await self.read(totals))}\n\n"
+                    await asyncio.sleep(LIVE_SECONDS)
+            finally:
+                self.streams -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     async def messages(self, request: Request, session: Session) -> Response:
         q = request.query_params
@@ -315,6 +366,26 @@ class Pages:
     async def relays(self, request: Request, session: Session) -> Response:
         rows = await self.read(lambda conn: store.read_view(conn, "outbox_relay_health"))
         return self.render(request, "relays.html", session, rows=rows)
+
+
+CHART_HEIGHT = 120  # the overview's chart, in SVG units: 24 hours of two bars each
+
+
+def _bars(hourly: list[tuple[datetime, int, int]]) -> list[dict[str, Any]]:
+    """The overview chart's bars: each hour's sent and failed counts scaled to the tallest."""
+    top = max((max(sent, failed) for _, sent, failed in hourly), default=0) or 1
+    return [
+        {
+            "x": n * 30,
+            "hour": start.strftime("%H"),
+            "at": _when(start),
+            "sent": sent,
+            "failed": failed,
+            "sent_height": round(sent / top * CHART_HEIGHT),
+            "failed_height": round(failed / top * CHART_HEIGHT),
+        }
+        for n, (start, sent, failed) in enumerate(hourly)
+    ]
 
 
 def _actions_for(status: str) -> set[str]:

@@ -239,3 +239,25 @@ def test_a_viewer_is_offered_no_action_and_refused_one(backend, console):
         assert not driver.find_elements(By.ID, "bulk-cancel")
         driver.get(f"{base}/actions/preview?action=cancel")
         assert driver.find_element(By.ID, "refused").text == "Only an operator may see this."
+
+
+def test_the_overview_counts_update_live_and_stop_while_the_tab_is_hidden(backend, users):
+    app = create_app(backend.engine, auth=Auth(users_file=UsersFile(users)))
+    pages = app.app.state.pages
+    with LiveServer(app) as server, chromium() as driver:
+        log_in(driver, server.url, "vic")
+        wait_until(driver, lambda d: pages.streams == 1, message="the live stream")
+        enqueue(backend.engine, 3, short=True)
+        wait_until(
+            driver,
+            lambda d: d.find_element(By.CSS_SELECTOR, 'td[data-status="pending"]').text == "3",
+            timeout=15,
+            message="the pending count updated without a reload",
+        )
+        overview = driver.current_window_handle
+        driver.switch_to.new_window("tab")  # the overview's tab is hidden now
+        driver.get(f"{server.url}/relays")
+        wait_until(driver, lambda d: pages.streams == 0, message="the hidden tab's stream closed")
+        driver.switch_to.window(overview)
+        driver.execute_cdp_cmd("Page.bringToFront", {})
+        wait_until(driver, lambda d: pages.streams == 1, message="the stream back once visible")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -362,3 +363,36 @@ def test_a_bulk_requeue_leaves_out_what_prune_took_the_body_of(engine, users):
     refused = c.get("/actions/preview", params={"action": "requeue", "status": "sent"})
     assert refused.status_code == 409
     assert "cannot requeue sent messages" in refused.text
+
+
+def test_the_overview_charts_each_hours_sent_and_failed_messages(engine, users):
+    ids = enqueue(engine, 9, short=True)
+    # mid-hour moments: the bucket is the same by the test's clock and the database's
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    with engine.begin() as conn:
+        for i in ids[:4]:
+            conn.execute(
+                sa.update(messages)
+                .where(messages.c.id == i)
+                .values(status="sent", sent_at=hour - timedelta(minutes=90))
+            )
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id.in_(ids[4:6]))
+            .values(status="failed", updated_at=hour - timedelta(minutes=30))
+        )
+        conn.execute(  # a day and more ago: not charted
+            sa.update(messages)
+            .where(messages.c.id == ids[6])
+            .values(status="sent", sent_at=hour - timedelta(hours=30))
+        )
+    c = client(engine, users)
+    login(c, "vic")
+    page = c.get("/").text
+    sent = [int(n) for n in re.findall(r'data-sent="(\d+)"', page)]
+    failed = [int(n) for n in re.findall(r'data-failed="(\d+)"', page)]
+    assert len(sent) == len(failed) == 24
+    assert sent[-3] == 4
+    assert sum(sent) == 4
+    assert failed[-2] == 2
+    assert sum(failed) == 2
