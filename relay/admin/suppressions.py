@@ -24,6 +24,8 @@ from relay.recipients import address_key
 from relay.store import operator as ops
 
 __all__ = [
+    "add_manual",
+    "remove",
     "suppressions_",
     "suppressions_add",
     "suppressions_import",
@@ -89,6 +91,67 @@ def _suppress(
     )
 
 
+def add_manual(
+    engine: sa.Engine, addresses: Iterable[str], *, reason: str, actor: str
+) -> tuple[list[str], dict[str, str]]:
+    """Suppress ``addresses`` (reason manual) with their log rows, in one transaction (the
+    command's and the console's): (the addresses added, those already suppressed with their
+    reason). Refuses (:class:`click.ClickException`), changing nothing, an address that is
+    not one or a reason of the wrong length."""
+    if not 1 <= len(reason) <= _DETAIL_LENGTH:
+        raise click.BadParameter(
+            f"must be 1 to {_DETAIL_LENGTH} characters", param_hint="'--reason'"
+        )
+    keyed = _addresses(addresses)
+    with engine.begin() as conn:
+        now = read_database_time(conn)
+        already = ops.suppressed_rows(conn, keyed)
+        added = [a for a in keyed if a not in already]
+        _suppress(
+            conn,
+            [(a, SuppressionReason.MANUAL, reason) for a in added],
+            now=now,
+            actor=actor,
+            reason=reason,
+        )
+    return added, {a: already[a].reason for a in keyed if a in already}
+
+
+def remove(
+    engine: sa.Engine, addresses: Iterable[str], *, reason: str | None, actor: str
+) -> list[str]:
+    """Remove the suppressions of ``addresses`` with their log rows, in one transaction:
+    the addresses removed. Refuses, changing nothing, if any is not suppressed."""
+    keyed = _addresses(addresses)
+    with engine.begin() as conn:
+        now = read_database_time(conn)
+        found = ops.suppressed_rows(conn, keyed)
+        missing = [a for a in keyed if a not in found]
+        if missing:
+            raise click.ClickException(f"not suppressed: {some(missing)}; nothing removed")
+        ops.remove_suppressions(conn, keyed)
+        ops.log_actions(
+            conn,
+            [
+                ops.LoggedAction(
+                    at=now,
+                    actor=actor,
+                    action=OperatorAction.UNSUPPRESS,
+                    address=a,
+                    reason=reason,
+                    detail=detail(
+                        suppression_reason=found[a].reason,
+                        suppression_detail=found[a].detail,
+                        suppressed_at=found[a].created_at,
+                        suppressed_by=found[a].actor,
+                    ),
+                )
+                for a in keyed
+            ],
+        )
+    return keyed
+
+
 @click.group(name="suppressions")
 def suppressions_() -> None:
     """The addresses the relay never mails (outbox_suppressions): list, add, remove, and
@@ -142,23 +205,8 @@ def suppressions_add(
 ) -> None:
     """Never mail these addresses again (reason manual). Addresses already suppressed are left
     as they are and named; all or nothing for the rest."""
-    if not 1 <= len(reason) <= _DETAIL_LENGTH:
-        raise click.BadParameter(
-            f"must be 1 to {_DETAIL_LENGTH} characters", param_hint="'--reason'"
-        )
-    keyed = _addresses(addresses)
-    with options.database(database_url) as engine, engine.begin() as conn:
-        now = read_database_time(conn)
-        already = ops.suppressed_rows(conn, keyed)
-        added = [a for a in keyed if a not in already]
-        _suppress(
-            conn,
-            [(a, SuppressionReason.MANUAL, reason) for a in added],
-            now=now,
-            actor=actor,
-            reason=reason,
-        )
-    kept = {a: already[a].reason for a in keyed if a in already}
+    with options.database(database_url) as engine:
+        added, kept = add_manual(engine, addresses, reason=reason, actor=actor)
     if as_json:
         click.echo(to_json({"command": "suppressions add", "added": added, "already": kept}))
         return
@@ -179,33 +227,8 @@ def suppressions_remove(
     """Mail these addresses again. Refuses, changing nothing, if any is not suppressed (a
     mistyped address would otherwise pass unnoticed). The relay will send to them: remove an
     address SES also suppresses from the SES account list too, or SES drops the mail."""
-    keyed = _addresses(addresses)
-    with options.database(database_url) as engine, engine.begin() as conn:
-        now = read_database_time(conn)
-        found = ops.suppressed_rows(conn, keyed)
-        missing = [a for a in keyed if a not in found]
-        if missing:
-            raise click.ClickException(f"not suppressed: {some(missing)}; nothing removed")
-        ops.remove_suppressions(conn, keyed)
-        ops.log_actions(
-            conn,
-            [
-                ops.LoggedAction(
-                    at=now,
-                    actor=actor,
-                    action=OperatorAction.UNSUPPRESS,
-                    address=a,
-                    reason=reason,
-                    detail=detail(
-                        suppression_reason=found[a].reason,
-                        suppression_detail=found[a].detail,
-                        suppressed_at=found[a].created_at,
-                        suppressed_by=found[a].actor,
-                    ),
-                )
-                for a in keyed
-            ],
-        )
+    with options.database(database_url) as engine:
+        keyed = remove(engine, addresses, reason=reason, actor=actor)
     if as_json:
         click.echo(to_json({"command": "suppressions remove", "removed": keyed}))
         return

@@ -70,6 +70,8 @@ def create_app(
         Route("/actions/preview", pages.page(operator, actions.preview)),
         Route("/actions/apply", pages.page(operator, actions.apply), methods=["POST"]),
         Route("/suppressions", pages.page(viewer, pages.suppressions)),
+        Route("/suppressions/add", pages.page(operator, actions.suppress), methods=["POST"]),
+        Route("/suppressions/remove", pages.page(operator, actions.suppress), methods=["POST"]),
         Route("/relays", pages.page(viewer, pages.relays)),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]

@@ -21,6 +21,7 @@ from outbox.schema import AttemptOutcome, OperatorAction, Status
 from relay import store
 from relay.admin.batches import Change, in_batches
 from relay.admin.change import check_provider_id, resolve_one, select_for_change
+from relay.admin.suppressions import add_manual, remove
 from relay.console.guard import Session, cross_site, csrf_matches
 from relay.console.views import Pages, message_filter, number
 
@@ -203,3 +204,37 @@ class Actions:
         except click.ClickException as refused:
             return self._result(request, session, 409, outcome=refused.format_message(), back=None)
         return self._result(request, session, 200, outcome=said, back=None)
+
+    async def suppress(self, request: Request, session: Session) -> Response:
+        """POST /suppressions/add: never mail these addresses (one a line, or separated by
+        spaces or commas), with a reason; POST /suppressions/remove: mail them again."""
+        form = await self._form(request, session)
+        if isinstance(form, Response):
+            return form
+        adding = request.url.path.endswith("/add")
+        text = str(form.get("addresses", ""))
+        addresses = [a for a in text.replace(",", " ").split() if a]
+        reason, actor, engine = _reason(form), session.user.name, self.pages.engine
+
+        def work() -> str:
+            if not addresses:
+                raise click.ClickException("no address given")
+            if adding:
+                added, kept = add_manual(engine, addresses, reason=reason or "", actor=actor)
+                already = f"; already suppressed: {', '.join(kept)}" if kept else ""
+                return f"suppressed {len(added)} address(es){already}"
+            removed = remove(engine, addresses, reason=reason, actor=actor)
+            return f"removed {len(removed)} address(es) from the suppressions"
+
+        try:
+            said = await run_in_threadpool(work)
+        except click.ClickException as refused:
+            return self._result(
+                request,
+                session,
+                409,
+                outcome=refused.format_message(),
+                back=None,
+                to="suppressions",
+            )
+        return self._result(request, session, 200, outcome=said, back=None, to="suppressions")

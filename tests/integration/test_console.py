@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from starlette.testclient import TestClient
 
 from outbox.exceptions import ConfigurationError
-from outbox.schema import messages, operator_actions
+from outbox.schema import messages, operator_actions, suppressions
 from relay.cli import main
 from relay.console import Auth, Role, UsersFile, add_user, create_app, remove_user
 from relay.console.guard import CONTENT_SECURITY_POLICY, SESSION_COOKIE
@@ -396,3 +396,52 @@ def test_the_overview_charts_each_hours_sent_and_failed_messages(engine, users):
     assert sum(sent) == 4
     assert failed[-2] == 2
     assert sum(failed) == 2
+
+
+def test_an_operator_suppresses_and_unsuppresses_addresses_logged_under_their_name(engine, users):
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    token = csrf_of(c, "/suppressions")
+    added = c.post(
+        "/suppressions/add",
+        data={"csrf": token, "addresses": "Ann@Example.com\nbob@example.com", "reason": "asked"},
+        headers=SAME,
+    )
+    assert added.status_code == 200, added.text
+    assert "suppressed 2 address(es)" in added.text
+    listed = c.get("/suppressions").text
+    assert "ann@example.com" in listed
+    bad = c.post(
+        "/suppressions/add",
+        data={"csrf": token, "addresses": "not-an-address", "reason": "x"},
+        headers=SAME,
+    )
+    assert bad.status_code == 409
+    assert "not an email address" in bad.text
+    removed = c.post(
+        "/suppressions/remove",
+        data={"csrf": token, "addresses": "ann@example.com", "reason": "resubscribed"},
+        headers=SAME,
+    )
+    assert removed.status_code == 200, removed.text
+    with engine.connect() as conn:
+        left = conn.execute(sa.select(suppressions.c.address)).scalars().all()
+        logged = conn.execute(
+            sa.select(operator_actions.c.actor, operator_actions.c.action).order_by(
+                operator_actions.c.id
+            )
+        ).all()
+    assert left == ["bob@example.com"]
+    assert [tuple(r) for r in logged] == [
+        ("olga@example.com", "suppress"),
+        ("olga@example.com", "suppress"),
+        ("olga@example.com", "unsuppress"),
+    ]
+    viewer = client(engine, users)
+    login(viewer, "vic")
+    refused = viewer.post(
+        "/suppressions/remove",
+        data={"csrf": csrf_of(viewer, "/"), "addresses": "bob@example.com"},
+        headers=SAME,
+    )
+    assert refused.status_code == 403
