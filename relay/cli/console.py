@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,9 @@ _users_file = option(
     default=None,
     help="The console's users and their hashed passwords (ui-user add writes it).",
 )
+
+
+_HEADER = re.compile(r"[A-Za-z0-9-]{1,64}")
 
 
 def _console() -> ModuleType:
@@ -58,9 +62,15 @@ def _secret(path: Path | None) -> bytes | None:
     if path is None:
         return None
     try:
+        mode = path.stat().st_mode
         key = path.read_bytes().strip()
     except OSError as exc:
         raise StartupError(f"--secret-key-file: {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:  # whoever reads the key can forge an operator's session
+        raise StartupError(
+            f"--secret-key-file: {path} has mode {mode & 0o777:o}: other users may read it; "
+            "chmod 600 it"
+        )
     if len(key) < 32:
         raise StartupError(f"--secret-key-file: {path} holds {len(key)} bytes; use at least 32")
     return key
@@ -132,11 +142,22 @@ def ui(
             "the console needs an authentication source: --users-file (OUTBOX_UI_USERS_FILE; "
             "add users with `outbox-relay ui-user add`) or --trusted-header with --trusted-proxy"
         )
+    if trusted_header is not None and not _HEADER.fullmatch(trusted_header):
+        raise StartupError(
+            f"--trusted-header: {trusted_header!r} is not a header name (X-Forwarded-Email)"
+        )
+    proxies = _networks(trusted_proxy)
+    if any(network.prefixlen == 0 for network in proxies):
+        click.echo(
+            "Warning: --trusted-proxy covers every address: anyone who reaches the console "
+            "can send the trusted header and be whoever they name",
+            err=True,
+        )
     named = {o for text in operators for o in text.replace(",", " ").split()}
     auth = console.Auth(
         users_file=console.UsersFile(users_file) if users_file is not None else None,
         trusted_header=trusted_header,
-        trusted_proxies=_networks(trusted_proxy),
+        trusted_proxies=proxies,
         operators=frozenset(named),
     )
     try:

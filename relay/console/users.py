@@ -8,6 +8,7 @@ that user's next request, without a restart and without ending anyone else's ses
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 import re
 import tempfile
@@ -20,7 +21,7 @@ from argon2.exceptions import InvalidHashError, VerificationError
 
 from outbox.exceptions import ConfigurationError
 
-__all__ = ["Role", "User", "UsersFile", "add_user", "check_name", "remove_user"]
+__all__ = ["Role", "User", "UsersFile", "add_user", "check_name", "remove_user", "valid_name"]
 
 
 class Role(enum.StrEnum):
@@ -35,19 +36,27 @@ class Role(enum.StrEnum):
 class User:
     name: str
     role: Role
+    # a digest of the user's password hash (users file only): a session names it, so a new
+    # password, or the user removed and added again, ends every session made before
+    stamp: str = ""
 
 
-_NAME = re.compile(r"[A-Za-z0-9._@+-]{1,254}")  # an email address or a login; no ':' or space
+_NAME = re.compile(r"[A-Za-z0-9._@+-]{1,128}")  # an email address or a login; no ':' or space
 _HASHER = PasswordHasher()
 # verified against when the name is unknown, so a wrong name costs what a wrong password does
 _NOBODY = _HASHER.hash("no such user")
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` may name a console user (and be an operator log's actor)."""
+    return _NAME.fullmatch(name) is not None
 
 
 def check_name(name: str) -> str:
     if not _NAME.fullmatch(name):
         raise ConfigurationError(
             f"user name {name!r}",
-            "use 1 to 254 letters, digits and . _ @ + - (an email address or a login)",
+            "use 1 to 128 letters, digits and . _ @ + - (an email address or a login)",
         )
     return name
 
@@ -76,16 +85,17 @@ class UsersFile:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._users: dict[str, tuple[Role, str]] = {}
         self.load()
 
     def load(self) -> dict[str, tuple[Role, str]]:
         try:
             stat = self.path.stat()
-            stamp = (stat.st_mtime_ns, stat.st_size)
+            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_mode)
             with self._lock:
                 if stamp != self._stamp:
+                    _check_private(self.path)
                     self._users = _parse(self.path, self.path.read_text(encoding="utf-8"))
                     self._stamp = stamp
                 return self._users
@@ -98,7 +108,7 @@ class UsersFile:
     def user(self, name: str) -> User | None:
         """``name``'s current entry, or None when the file no longer lists it."""
         found = self.load().get(name)
-        return None if found is None else User(name, found[0])
+        return None if found is None else User(name, found[0], _stamp(found[1]))
 
     def authenticate(self, name: str, password: str) -> User | None:
         """The user when ``password`` is theirs, else None, in about the same time either way."""
@@ -107,7 +117,21 @@ class UsersFile:
             _HASHER.verify(found[1] if found else _NOBODY, password)
         except (VerificationError, InvalidHashError):
             return None
-        return User(name, found[0]) if found else None
+        return User(name, found[0], _stamp(found[1])) if found else None
+
+
+def _stamp(digest: str) -> str:
+    return hashlib.sha256(digest.encode()).hexdigest()[:32]
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a users file others may read (the hashes) or change (the roles)."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise ConfigurationError(
+            f"users file {path}",
+            f"mode {mode & 0o777:o} lets other users read or change it; chmod 600 it",
+        )
 
 
 def _write(path: Path, lines: list[str]) -> None:

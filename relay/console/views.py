@@ -25,7 +25,9 @@ from outbox.schema import Status
 from relay import store
 from relay.clock import read_database_time
 from relay.console.guard import LoginThrottle, Session, Sessions, cross_site, csrf_matches
-from relay.console.users import Role
+from relay.console.masking import Shown
+from relay.console.sanitize import clean_email_html
+from relay.console.users import Role, User
 from relay.store import operator as ops
 
 __all__ = [
@@ -34,37 +36,43 @@ __all__ = [
     "LIVE_LIMIT",
     "LIVE_SECONDS",
     "LIVE_STREAMS",
-    "LOGIN_COOKIE",
+    "MAX_PAGE",
     "PAGE_SIZE",
+    "BadFilter",
     "Pages",
-    "masked",
     "message_filter",
     "number",
 ]
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
+MAX_PAGE = 2000  # the suppressions page pages by number, up to 100,000 addresses deep
 LIVE_SECONDS = 5.0  # how often an open overview's counts are sent again
 LIVE_LIMIT = 600.0  # a live stream ends after this and the browser opens another
 LIVE_STREAMS = 50  # live streams one console process serves at once
-LOGIN_COOKIE = "outbox_console_login"  # the login form's own CSRF nonce, before any session
-_EMAIL = re.compile(r"([^\s<>\"',;:@]+)@([A-Za-z0-9.-]+\.[A-Za-z]{2,})")
 _REVIEW = {"bounce_rate": 0.05, "complaint_rate": 0.001}  # the rates SES reviews an account at
 
 
-def masked(value: Any) -> str:
-    """``value`` as text with every email address's local part cut to its first letter."""
-    return _EMAIL.sub(lambda m: f"{m.group(1)[0]}\u2022\u2022\u2022@{m.group(2)}", str(value))
+class BadFilter(ValueError):
+    """A filter value no page takes: said on a 400 page."""
 
 
-def message_filter(params: QueryParams | FormData) -> store.Filter:
-    """The messages a page's filters (its query, or a form that repeats them) mean; values
-    that are not statuses or dates are ignored, never an error."""
+def message_filter(params: QueryParams | FormData, *, prefixes: bool = True) -> store.Filter:
+    """The messages a page's filters (its query, or a form that repeats them) mean; a status
+    that is not one, or a date that is not one, is ignored. ``prefixes``: a key ending in
+    ``*`` matches as a prefix (operators; a viewer looks up exact keys only, so the key
+    filter cannot spell out a key the page masks). Refuses control characters."""
+    values = [str(v) for _, v in params.multi_items()]
+    if any(ch < " " or ch == "\x7f" for value in values for ch in value):
+        raise BadFilter("a filter holds a control character")
     known = {m.value for m in Status}
+    key = str(params.get("key") or "") or None
+    if key is not None and key.endswith("*") and not prefixes:
+        raise BadFilter("viewers look up exact keys only (no prefix*)")
     return store.Filter(
         statuses=tuple(s for s in params.getlist("status") if s in known),
         categories=tuple(str(c) for c in params.getlist("category") if c),
-        key=str(params.get("key") or "") or None,
+        key=key,
         error_code=str(params.get("error") or "") or None,
         created_after=_day(str(params.get("from") or "")),
         created_before=_day(str(params.get("until") or "")),
@@ -78,9 +86,12 @@ def _when(value: Any) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") + "Z"
 
 
+_ID = re.compile(r"[0-9]{1,18}", re.ASCII)
+
+
 def number(text: str | None) -> int | None:
-    """A positive id from a URL or a form, else None."""
-    return int(text) if text and text.isdigit() and len(text) < 19 else None
+    """A positive id from a URL or a form (ASCII digits only), else None."""
+    return int(text) if text and _ID.fullmatch(text) else None
 
 
 def _day(text: str | None) -> datetime | None:
@@ -117,7 +128,7 @@ class Pages:
             request=request,
             session=session,
             operator=not viewer,
-            shown=masked if viewer else str,
+            pii=Shown(viewer=viewer),
             base=request.scope.get("root_path", ""),
             **data,
         )
@@ -163,52 +174,76 @@ class Pages:
     def _login_page(self, request: Request, error: str | None, status: int = 200) -> Response:
         nonce = secrets.token_urlsafe(24)
         response = self.render(request, "login.html", None, status, error=error, nonce=nonce)
-        options = self.sessions.cookie_options(request)
-        options["key"] = LOGIN_COOKIE
+        options = self.sessions.cookie_options(request, self.sessions.login_cookie)
         response.set_cookie(value=nonce, max_age=1800, **options)
         return response
 
     async def login(self, request: Request) -> Response:
         users = self.sessions.auth.users_file
         form = await request.form()
-        nonce = request.cookies.get(LOGIN_COOKIE)
+        nonce = self.sessions.cookie(request, self.sessions.login_cookie)
         if users is None or cross_site(request) or not nonce or form.get("nonce") != nonce:
             return self.render(
                 request, "refused.html", None, 403, why="Refused: not this site's form."
             )
         name, password = str(form.get("name", "")), str(form.get("password", ""))
-        client = request.client.host if request.client else "?"
-        keys = [f"user:{name.lower()}", f"address:{client}"]
-        wait = self.throttle.wait(keys)
+        keys = self.throttle.keys(name, self.sessions.auth.client(request))
+        wait = self.throttle.start(keys)
         if wait > 0:
             response = self._login_page(request, "Too many failed logins: wait and try again.", 429)
             response.headers["Retry-After"] = str(int(wait) + 1)
             return response
-        user = await run_in_threadpool(users.authenticate, name, password)
-        if user is None:
-            self.throttle.failed(keys)
+
+        def check() -> User | bool | None:
+            # a bounded number of hashes at once; False: too busy to check now
+            if not self.throttle.checks.acquire(timeout=10):
+                return False
+            try:
+                return users.authenticate(name, password)
+            finally:
+                self.throttle.checks.release()
+
+        user = await run_in_threadpool(check)
+        if user is False:
+            response = self._login_page(request, "Too many logins at once: try again.", 503)
+            response.headers["Retry-After"] = "5"
+            return response
+        if not isinstance(user, User):
             return self._login_page(request, "Wrong name or password.", 401)
         self.throttle.succeeded(keys)
         cookie, _ = self.sessions.issue(user)
         base = request.scope.get("root_path", "")
         response = RedirectResponse(f"{base}/", status_code=303)
-        response.set_cookie(value=cookie, **self.sessions.cookie_options(request))
-        options = self.sessions.cookie_options(request)
-        options["key"] = LOGIN_COOKIE
-        response.delete_cookie(**{k: options[k] for k in ("key", "path")})
+        sessions = self.sessions
+        response.set_cookie(
+            value=cookie, **sessions.cookie_options(request, sessions.session_cookie)
+        )
+        gone = sessions.cookie_options(request, sessions.login_cookie)
+        response.delete_cookie(
+            **{k: gone[k] for k in ("key", "path", "secure", "httponly", "samesite")}
+        )
         return response
 
     async def logout(self, request: Request) -> Response:
         session = self.sessions.current(request)
         form = await request.form()
-        if session is None or cross_site(request) or not csrf_matches(session, form.get("csrf")):  # type: ignore[arg-type]
+        token = form.get("csrf")
+        if (
+            session is None
+            or session.by_header
+            or cross_site(request)
+            or not csrf_matches(session, token if isinstance(token, str) else None)
+        ):
             return self.render(
                 request, "refused.html", session, 403, why="Refused: not this site's form."
             )
+        self.sessions.end(session)
         base = request.scope.get("root_path", "")
         response = RedirectResponse(f"{base}/login", status_code=303)
-        options = self.sessions.cookie_options(request)
-        response.delete_cookie(key=options["key"], path=options["path"])
+        gone = self.sessions.cookie_options(request, self.sessions.session_cookie)
+        response.delete_cookie(
+            **{k: gone[k] for k in ("key", "path", "secure", "httponly", "samesite")}
+        )
         return response
 
     # -- pages -------------------------------------------------------------------------------
@@ -264,7 +299,10 @@ class Pages:
 
     async def messages(self, request: Request, session: Session) -> Response:
         q = request.query_params
-        flt = message_filter(q)
+        try:
+            flt = message_filter(q, prefixes=session.user.role is Role.OPERATOR)
+        except BadFilter as bad:
+            return self.render(request, "refused.html", session, 400, why=str(bad))
         before = number(q.get("before"))
 
         def work(conn: sa.Connection) -> list[dict[str, Any]]:
@@ -320,7 +358,9 @@ class Pages:
             ],
             has_html=bool(payload.get("html")) and message["body_dropped_at"] is None,
             text_body=payload.get("text") if message["body_dropped_at"] is None else None,
-            timeline=_timeline(message, found),
+            timeline=_timeline(
+                message, found, Shown(viewer=session.user.role is not Role.OPERATOR)
+            ),
             can=_actions_for(message["status"]),
         )
 
@@ -338,7 +378,7 @@ class Pages:
         if not isinstance(html, str):
             return Response("no html body", status_code=404, media_type="text/plain")
         return HTMLResponse(
-            html,
+            await run_in_threadpool(clean_email_html, html),
             headers={
                 "Content-Security-Policy": "sandbox; default-src 'none'; "
                 "style-src 'unsafe-inline'; img-src data:; frame-ancestors 'self'",
@@ -347,20 +387,23 @@ class Pages:
         )
 
     async def suppressions(self, request: Request, session: Session) -> Response:
-        after = request.query_params.get("after") or None
+        # paged by number, never by an address in the URL: a viewer must not read one there,
+        # nor spell one out by asking what comes after a guess
+        page = min(number(request.query_params.get("page")) or 1, MAX_PAGE)
 
         def work(conn: sa.Connection) -> list[dict[str, Any]]:
-            return ops.list_suppressions(conn, reasons=(), limit=PAGE_SIZE + 1, after=after)
+            return ops.list_suppressions(
+                conn, reasons=(), limit=PAGE_SIZE + 1, after=None, offset=(page - 1) * PAGE_SIZE
+            )
 
         rows = await self.read(work)
-        more = len(rows) > PAGE_SIZE
-        rows = rows[:PAGE_SIZE]
+        more = len(rows) > PAGE_SIZE and page < MAX_PAGE
         return self.render(
             request,
             "suppressions.html",
             session,
-            rows=rows,
-            next_after=rows[-1]["address"] if more else None,
+            rows=rows[:PAGE_SIZE],
+            next_page=page + 1 if more else None,
         )
 
     async def relays(self, request: Request, session: Session) -> Response:
@@ -401,74 +444,67 @@ def _actions_for(status: str) -> set[str]:
     return can
 
 
-def _headers(payload: dict[str, Any]) -> list[tuple[str, str]]:
-    """The email's headers as the message page lists them."""
+def _headers(payload: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The email's headers as the message page lists them: (name, value, kind), the kind
+    saying how a viewer sees it (addresses masked, a subject, free text withheld)."""
     shown = []
-    for field, label in (
-        ("sender", "From"),
-        ("to", "To"),
-        ("cc", "Cc"),
-        ("bcc", "Bcc"),
-        ("reply_to", "Reply-To"),
-        ("subject", "Subject"),
-        ("configuration_set", "Configuration set"),
-        ("template", "Template"),
+    for field, label, kind in (
+        ("sender", "From", "addresses"),
+        ("to", "To", "addresses"),
+        ("cc", "Cc", "addresses"),
+        ("bcc", "Bcc", "addresses"),
+        ("reply_to", "Reply-To", "addresses"),
+        ("subject", "Subject", "subject"),
+        ("configuration_set", "Configuration set", "plain"),
+        ("template", "Template", "text"),
     ):
         value = payload.get(field)
         if isinstance(value, list):
             value = ", ".join(str(v) for v in value)
         if value:
-            shown.append((label, str(value)))
+            shown.append((label, str(value), kind))
     custom = payload.get("headers")
     pairs = (
         custom.items() if isinstance(custom, dict) else custom if isinstance(custom, list) else ()
     )
     for pair in pairs:
         if isinstance(pair, list | tuple) and len(pair) == 2:
-            shown.append((str(pair[0]), str(pair[1])))
+            shown.append((str(pair[0]), str(pair[1]), "text"))
     return shown
 
 
-def _timeline(message: dict[str, Any], found: dict[str, Any]) -> list[dict[str, Any]]:
-    """Everything that happened to a message, oldest first."""
+def _timeline(message: dict[str, Any], found: dict[str, Any], pii: Shown) -> list[dict[str, Any]]:
+    """Everything that happened to a message, oldest first; free text withheld from a
+    viewer (error messages, event details and their addresses, operators' reasons)."""
+
+    def joined(*parts: Any) -> str:
+        return " ".join(str(p) for p in parts if p)
+
     entries: list[dict[str, Any]] = [
         {"at": message["created_at"], "what": "enqueued", "detail": message["category"]}
     ]
     for a in found["attempts"]:
+        detail = joined(
+            pii.actor(a["relay_id"]),
+            a["error_code"],
+            pii.text(a["error_message"]),
+            a["provider_message_id"],
+        )
         entries.append(
             {
-                "at": a["started_at"],
+                "at": a["started_at"] or a["finished_at"],
                 "what": f"attempt: {a['outcome']}",
-                "detail": " ".join(
-                    str(v)
-                    for v in (
-                        a["relay_id"],
-                        a["error_code"],
-                        a["error_message"],
-                        a["provider_message_id"],
-                    )
-                    if v
-                ),
+                "detail": detail,
             }
         )
     for e in found["events"]:
+        detail = joined(pii.text(e["detail"]), pii.addresses(e["recipients"]), e["effect"])
         entries.append(
-            {
-                "at": e["event_at"],
-                "what": f"SES event: {e['event_type']}",
-                "detail": " ".join(
-                    str(v) for v in (e["detail"], e["recipients"], e["effect"]) if v
-                ),
-            }
+            {"at": e["event_at"], "what": f"SES event: {e['event_type']}", "detail": detail}
         )
     for o in found["actions"]:
-        entries.append(
-            {
-                "at": o["at"],
-                "what": f"operator: {o['action']}",
-                "detail": " ".join(str(v) for v in (o["actor"], o["reason"]) if v),
-            }
-        )
+        detail = joined(pii.actor(o["actor"]), pii.text(o["reason"]))
+        entries.append({"at": o["at"], "what": f"operator: {o['action']}", "detail": detail})
     if message.get("body_dropped_at"):
         entries.append(
             {"at": message["body_dropped_at"], "what": "body dropped", "detail": "prune"}

@@ -501,11 +501,16 @@ def remove_suppressions(conn: sa.Connection, addresses: Sequence[str]) -> None:
 
 
 def list_suppressions(
-    conn: sa.Connection, *, reasons: Sequence[str], limit: int, after: str | None
+    conn: sa.Connection,
+    *,
+    reasons: Sequence[str],
+    limit: int,
+    after: str | None,
+    offset: int = 0,
 ) -> list[dict[str, Any]]:
-    """One page of suppression rows in address order (keyset paging after ``after``), only
-    those of ``reasons`` when given."""
-    stmt = sa.select(suppressions).order_by(suppressions.c.address).limit(limit)
+    """One page of suppression rows in address order (keyset paging after ``after``, or
+    ``offset`` rows on), only those of ``reasons`` when given."""
+    stmt = sa.select(suppressions).order_by(suppressions.c.address).limit(limit).offset(offset)
     if reasons:
         stmt = stmt.where(suppressions.c.reason.in_(reasons))
     if after is not None:

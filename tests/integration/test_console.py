@@ -72,7 +72,6 @@ def test_every_page_asks_for_a_login_first(engine, users):
 
 def test_a_login_issues_a_fresh_session_and_a_wrong_password_none(engine, users):
     c = client(engine, users)
-    c.cookies.set(SESSION_COOKIE, "planted-by-an-attacker")
     wrong = login(c, "olga@example.com", "not the password!")
     assert wrong.status_code == 401  # type: ignore[attr-defined]
     assert c.get("/").status_code == 303
@@ -81,18 +80,36 @@ def test_a_login_issues_a_fresh_session_and_a_wrong_password_none(engine, users)
     cookie = right.headers["set-cookie"]  # type: ignore[attr-defined]
     assert "HttpOnly" in cookie
     assert "SameSite=strict" in cookie.replace("Strict", "strict")
-    assert right.cookies[SESSION_COOKIE] != "planted-by-an-attacker"  # type: ignore[attr-defined]
     page = c.get("/")
     assert page.status_code == 200
     assert page.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
     assert page.headers["x-frame-options"] == "DENY"
+    assert page.headers["x-dns-prefetch-control"] == "off"
 
 
-def test_secure_cookies_by_default(engine, users):
+def test_a_planted_session_cookie_beside_ours_ends_the_session_rather_than_win(engine, users):
+    """A cookie of our name planted by a sibling site or the host app rides beside ours; the
+    server cannot tell which is which, so a request with two is no session (attack F6)."""
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    mine = c.cookies[SESSION_COOKIE]
+    both = f"{SESSION_COOKIE}={mine}; {SESSION_COOKIE}=attackers-own-valid-session"
+    assert c.get("/", headers={"cookie": both}).status_code == 303
+    assert c.get("/", headers={"cookie": f"{SESSION_COOKIE}={mine}"}).status_code == 200
+
+
+def test_secure_cookies_are_host_only_by_name(engine, users):
     app = create_app(engine, auth=Auth(users_file=UsersFile(users)))
     c = TestClient(app, base_url="https://console.test", follow_redirects=False)
+    page = c.get("/login")
+    assert page.headers["set-cookie"].startswith("__Host-outbox_console_login=")
     response = login(c, "vic")
-    assert "Secure" in response.headers["set-cookie"]  # type: ignore[attr-defined]
+    cookie = response.headers["set-cookie"]  # type: ignore[attr-defined]
+    assert cookie.startswith(f"__Host-{SESSION_COOKIE}=")
+    assert "Secure" in cookie
+    assert "Path=/" in cookie
+    assert "Domain" not in cookie
+    assert c.get("/").status_code == 200
 
 
 def test_a_login_from_another_site_is_refused(engine, users):
@@ -147,8 +164,8 @@ def test_removing_a_user_ends_their_session_at_once(engine, users):
     assert c.get("/").status_code == 200
     assert remove_user(users, "vic")
     assert c.get("/").status_code == 303
-    add_user(users, "vic", Role.VIEWER, PASSWORD + "!")  # back, with another password
-    assert c.get("/").status_code == 200  # the old session names a user the file lists again
+    add_user(users, "vic", Role.VIEWER, PASSWORD)  # back: a new hash, so a new session
+    assert c.get("/").status_code == 303
 
 
 def test_a_viewer_sees_addresses_masked_and_no_body(engine, users):
@@ -445,3 +462,260 @@ def test_an_operator_suppresses_and_unsuppresses_addresses_logged_under_their_na
         headers=SAME,
     )
     assert refused.status_code == 403
+
+
+# -- the attack review's finds ---------------------------------------------------------------
+
+
+def test_concurrent_guesses_are_counted_before_any_password_is_checked(engine, users):
+    """Attack F3: the throttle counted a failure only after the hash check, so guesses sent
+    at once all passed the check. Now each attempt counts from its start."""
+    import concurrent.futures
+
+    # sixteen browsers of one console process
+    app = create_app(engine, auth=Auth(users_file=UsersFile(users)), secure_cookies=False)
+    shared = [TestClient(app, follow_redirects=False) for _ in range(16)]
+    page = TestClient(app).get("/login")
+    token = NONCE.search(page.text)
+    assert token is not None
+
+    def shared_guess(n: int) -> int:
+        h = shared[n]
+        h.cookies.set("outbox_console_login", token.group(1))
+        return h.post(
+            "/login",
+            data={
+                "name": "olga@example.com",
+                "password": f"guess {n:04d}!!",
+                "nonce": token.group(1),
+            },
+            headers=SAME,
+        ).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(shared_guess, range(16)))
+    assert codes.count(401) == 5, codes
+    assert codes.count(429) == 11, codes
+
+
+def test_a_success_does_not_wipe_the_failures_before_it(engine, users):
+    """Attack F3b: logging in to one's own account cleared the address's failures, so an
+    attacker interleaving their own logins guessed without end."""
+    app = create_app(engine, auth=Auth(users_file=UsersFile(users)), secure_cookies=False)
+    c = TestClient(app, follow_redirects=False)
+    codes = []
+    for n in range(12):
+        codes.append(login(c, "olga@example.com", f"guess {n:04d}!!").status_code)  # type: ignore[attr-defined]
+        assert login(c, "vic").status_code == 303  # type: ignore[attr-defined]
+    assert codes[:5] == [401] * 5
+    assert set(codes[5:]) == {429}
+
+
+def test_strangers_cannot_lock_a_user_out_from_elsewhere(engine, users):
+    """Attack F4: five junk logins for a name from any address locked that user out. Now the
+    tight limit is per name and address; a name alone takes 50."""
+    app = create_app(engine, auth=Auth(users_file=UsersFile(users)), secure_cookies=False)
+    stranger = TestClient(app, follow_redirects=False, client=("198.51.100.7", 4000))
+    for n in range(6):
+        login(stranger, "OLGA@example.com", f"junk {n:04d}!!!!")
+    assert login(stranger, "olga@example.com").status_code == 429  # type: ignore[attr-defined]
+    olga = TestClient(app, follow_redirects=False, client=("203.0.113.9", 5000))
+    assert login(olga, "olga@example.com").status_code == 303  # type: ignore[attr-defined]
+
+
+def test_behind_a_trusted_proxy_the_throttle_keys_on_the_forwarded_address(engine, users):
+    auth = Auth(users_file=UsersFile(users), trusted_proxies=(ipaddress.ip_network("10.0.0.0/8"),))
+    app = create_app(engine, auth=auth, secure_cookies=False)
+    proxy = TestClient(app, follow_redirects=False, client=("10.0.0.2", 443))
+    attacker = {"x-forwarded-for": "198.51.100.7"}
+    for n in range(6):
+        page = proxy.get("/login")
+        nonce = NONCE.search(page.text)
+        assert nonce is not None
+        proxy.post(
+            "/login",
+            data={
+                "name": "olga@example.com",
+                "password": f"junk {n:04d}!!!!",
+                "nonce": nonce.group(1),
+            },
+            headers={**SAME, **attacker},
+        )
+    page = proxy.get("/login")
+    nonce = NONCE.search(page.text)
+    assert nonce is not None
+    olga = proxy.post(
+        "/login",
+        data={"name": "olga@example.com", "password": PASSWORD, "nonce": nonce.group(1)},
+        headers={**SAME, "x-forwarded-for": "203.0.113.9"},
+    )
+    assert olga.status_code == 303
+
+
+def test_logging_out_ends_the_session_even_for_a_copied_cookie(engine, users):
+    """Attack F5: a copy of the cookie outlived logout, a new password, a re-added user."""
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    stolen = {"cookie": f"{SESSION_COOKIE}={c.cookies[SESSION_COOKIE]}"}
+    assert c.post("/logout", data={"csrf": csrf_of(c, "/")}, headers=SAME).status_code == 303
+    app_thief = c  # the same console process: it learnt of the logout
+    assert app_thief.get("/", headers=stolen).status_code == 303
+
+
+def test_a_new_password_or_a_re_added_user_ends_every_older_session(engine, users):
+    c = client(engine, users)
+    login(c, "vic")
+    cookie = {"cookie": f"{SESSION_COOKIE}={c.cookies[SESSION_COOKIE]}"}
+    assert c.get("/", headers=cookie).status_code == 200
+    add_user(users, "vic", Role.VIEWER, PASSWORD + " changed")
+    assert c.get("/", headers=cookie).status_code == 303
+    remove_user(users, "vic")
+    add_user(users, "vic", Role.VIEWER, PASSWORD)  # the old password back, a new hash
+    assert c.get("/", headers=cookie).status_code == 303
+
+
+def test_a_viewer_cannot_read_or_probe_a_suppressed_address(engine, users):
+    """Attack F1: the next page's link put an address in the URL, and ``after=`` answered
+    whether an address follows a guess."""
+    with engine.begin() as conn:
+        conn.execute(
+            suppressions.insert(),
+            [
+                {
+                    "address": f"user{n:03d}@example.com",
+                    "reason": "manual",
+                    "created_at": datetime.now(UTC),
+                    "actor": "olga@example.com",
+                }
+                for n in range(60)
+            ],
+        )
+    c = client(engine, users)
+    login(c, "vic")
+    first = c.get("/suppressions").text
+    assert "user0" not in first
+    assert "olga@example.com" not in first
+    more = re.search(r'id="more" href="([^"]+)"', first)
+    assert more is not None
+    assert "%40" not in more.group(1)
+    assert "@" not in more.group(1)
+    second = c.get(more.group(1).replace("&amp;", "&")).text
+    assert second.count("<tr>") == 1 + 10
+    assert c.get("/suppressions", params={"after": "user050@example.com"}).text == first
+
+
+def test_a_viewer_sees_no_display_name_key_or_free_text(engine, users):
+    """Attack F2: the mask missed display names, quoted local parts, addresses in keys and
+    free text; a prefix key filter spelled a key out."""
+    (mid,) = enqueue(
+        engine,
+        [
+            email(
+                1,
+                to=["Alice Smith <alice@example.com>"],
+                headers={"X-Customer": "dave@example.org"},
+            )
+        ],
+        key="reset:dave.secretive%40example.com",
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == mid)
+            .values(
+                last_error_code="MessageRejected", last_error_message="bob@example.com rejected"
+            )
+        )
+    c = client(engine, users)
+    login(c, "vic")
+    page = c.get(f"/messages/{mid}").text + c.get("/messages").text
+    for secret in ("Alice", "Smith", "carol", "private", "dave", "secretive", "bob@"):
+        assert secret not in page, secret
+    assert "a\u2022\u2022\u2022@example.com" in page
+    assert "reset:\u2022\u2022\u2022" in page
+    probe = c.get("/messages", params={"key": "reset:d*"})
+    assert probe.status_code == 400
+    operator = client(engine, users)
+    login(operator, "olga@example.com")
+    assert "Alice Smith" in operator.get(f"/messages/{mid}").text
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/messages/\u00b2",
+        "/messages/\u00b2/body",
+        "/messages?before=\u00b2",
+        "/messages?key=a%00b",
+        "/messages?category=%00",
+    ],
+)
+def test_odd_ids_and_control_characters_are_a_clear_answer_not_a_crash(engine, users, path):
+    """Attack F7: '²' passed isdigit() and crashed int(); a NUL crashed PostgreSQL."""
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    response = c.get(path)
+    assert response.status_code in (200, 400, 404), response.status_code
+
+
+def test_a_trusted_header_sent_twice_or_malformed_is_no_one(engine):
+    """Attack F10: with a proxy that appends, the client's own copy came first and won."""
+    auth = Auth(
+        trusted_header="X-Forwarded-Email",
+        trusted_proxies=(ipaddress.ip_network("127.0.0.0/8"),),
+        operators=frozenset({"boss@example.com"}),
+    )
+    trusted = TestClient(
+        create_app(engine, auth=auth), follow_redirects=False, client=("127.0.0.1", 1)
+    )
+    twice = [("X-Forwarded-Email", "boss@example.com"), ("X-Forwarded-Email", "eve@example.com")]
+    assert trusted.get("/", headers=twice).status_code == 303
+    assert (
+        trusted.get(
+            "/", headers={"X-Forwarded-Email": "boss@example.com, eve@example.com"}
+        ).status_code
+        == 303
+    )
+    assert trusted.get("/", headers={"X-Forwarded-Email": "eve@example.com"}).status_code == 200
+
+
+def test_key_and_users_files_others_can_read_are_refused(engine, users, tmp_path):
+    """Attack F11: a world-readable key lets anyone forge an operator's session."""
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 48)
+    key.chmod(0o644)
+    result = CliRunner().invoke(
+        main,
+        [
+            "ui",
+            "--database-url",
+            "sqlite://",
+            "--users-file",
+            str(users),
+            "--secret-key-file",
+            str(key),
+        ],
+    )
+    assert result.exit_code == 2
+    assert "chmod 600" in result.output
+    users.chmod(0o644)
+    with pytest.raises(ConfigurationError, match="chmod 600"):
+        UsersFile(users)
+
+
+def test_the_emails_html_reaches_the_frame_without_anything_that_reaches_out(engine, users):
+    """Attack F9: a preconnect hint in the email made the browser connect to its host."""
+    html = (
+        '<link rel="preconnect" href="https://tracker.example"><meta http-equiv="refresh" '
+        'content="0;url=https://x.example"><base href="https://evil.example/">'
+        '<style>p{color:red}</style><p style="margin:0">Hi <img src="https://t.example/p.gif">'
+        '<img src="data:image/png;base64,AAAA"></p>'
+    )
+    (mid,) = enqueue(engine, [email(1, html=html)])
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    body = c.get(f"/messages/{mid}/body").text
+    for gone in ("<link", "<meta", "<base", "tracker.example", "t.example"):
+        assert gone not in body, gone
+    assert "<style>p{color:red}</style>" in body
+    assert 'src="data:image/png;base64,AAAA"' in body

@@ -42,6 +42,8 @@ COMMAND_LINE = (
     "relay.console",
     "relay.console.actions",
     "relay.console.guard",
+    "relay.console.masking",
+    "relay.console.sanitize",
     "relay.console.users",
     "relay.console.views",
 )
