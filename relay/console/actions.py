@@ -23,7 +23,7 @@ from relay.admin.batches import Change, in_batches
 from relay.admin.change import check_provider_id, resolve_one, select_for_change
 from relay.admin.suppressions import add_manual, remove
 from relay.console.guard import Session, cross_site, csrf_matches
-from relay.console.views import Pages, message_filter, number
+from relay.console.views import BadFilter, Pages, message_filter, number
 
 __all__ = ["BULK", "Actions", "Bulk"]
 
@@ -60,7 +60,7 @@ BULK = {
         "cancel", AttemptOutcome.CANCELLED, OperatorAction.CANCEL, store.CANCELLABLE, False
     ),
 }
-_FILTER_FIELDS = ("status", "category", "key", "error", "from", "until")
+_FILTER_FIELDS = ("status", "category", "key", "error", "from", "until", "delivery", "recipient")
 
 
 def _reason(form: FormData) -> str | None:
@@ -145,7 +145,10 @@ class Actions:
         bulk = BULK.get(q.get("action", ""))
         if bulk is None:
             return self._result(request, session, 404, outcome="no such action", back=None)
-        flt = message_filter(q)
+        try:
+            flt = message_filter(q)
+        except BadFilter as bad:
+            return self._result(request, session, 400, outcome=str(bad), back=None)
 
         def work(conn: sa.Connection) -> dict[str, Any]:
             ids, left_out = select_for_change(
@@ -182,7 +185,10 @@ class Actions:
         upto = number(str(form.get("upto", "")))
         if bulk is None or upto is None:
             return self._result(request, session, 400, outcome="an incomplete form", back=None)
-        flt = message_filter(form)
+        try:
+            flt = message_filter(form)
+        except BadFilter as bad:
+            return self._result(request, session, 400, outcome=str(bad), back=None)
         reason, actor, engine = _reason(form), session.user.name, self.pages.engine
 
         def work() -> str:

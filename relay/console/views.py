@@ -21,7 +21,7 @@ from starlette.datastructures import FormData, QueryParams
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 
-from outbox.schema import Status
+from outbox.schema import DeliveryStatus, Status
 from relay import store
 from relay.clock import read_database_time
 from relay.console.guard import LoginThrottle, Session, Sessions, cross_site, csrf_matches
@@ -61,7 +61,8 @@ def message_filter(params: QueryParams | FormData, *, prefixes: bool = True) -> 
     """The messages a page's filters (its query, or a form that repeats them) mean; a status
     that is not one, or a date that is not one, is ignored. ``prefixes``: a key ending in
     ``*`` matches as a prefix (operators; a viewer looks up exact keys only, so the key
-    filter cannot spell out a key the page masks). Refuses control characters."""
+    filter cannot spell out a key the page masks; nor do they search by recipient).
+    Refuses control characters."""
     values = [str(v) for _, v in params.multi_items()]
     if any(ch < " " or ch == "\x7f" for value in values for ch in value):
         raise BadFilter("a filter holds a control character")
@@ -69,7 +70,13 @@ def message_filter(params: QueryParams | FormData, *, prefixes: bool = True) -> 
     key = str(params.get("key") or "") or None
     if key is not None and key.endswith("*") and not prefixes:
         raise BadFilter("viewers look up exact keys only (no prefix*)")
+    recipient = str(params.get("recipient") or "").strip().lower() or None
+    if recipient is not None and not prefixes:
+        raise BadFilter("viewers cannot search by recipient (it would spell out the addresses)")
+    delivery = str(params.get("delivery") or "") or None
     return store.Filter(
+        recipient=recipient,
+        delivery_status=delivery,
         statuses=tuple(s for s in params.getlist("status") if s in known),
         categories=tuple(str(c) for c in params.getlist("category") if c),
         key=key,
@@ -321,6 +328,7 @@ class Pages:
             rows=rows,
             query=q,
             statuses=[s.value for s in Status],
+            deliveries=[d.value for d in DeliveryStatus],
             chosen=set(flt.statuses),
             filters=[(k, v) for k, v in q.multi_items() if k != "before"],
             next_before=rows[-1]["id"] if more else None,

@@ -97,6 +97,8 @@ class Filter:
     changed_before: datetime | None = None
     has_body: bool | None = None  # True: prune has not dropped its body; False: it has
     error_code: str | None = None  # the last attempt's error code, exactly
+    delivery_status: str | None = None  # what SES's events said, exactly
+    recipient: str | None = None  # a part of the recipients (lower case): a scan, no index
 
 
 def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
@@ -121,6 +123,11 @@ def _where(f: Filter) -> list[sa.ColumnElement[bool]]:
         clauses.append(_m.c.updated_at < f.changed_before)
     if f.error_code is not None:
         clauses.append(_m.c.last_error_code == f.error_code)
+    if f.delivery_status is not None:
+        clauses.append(_m.c.delivery_status == f.delivery_status)
+    if f.recipient is not None:
+        needle = f.recipient.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        clauses.append(sa.func.lower(_m.c.recipients).like(f"%{needle}%", escape="\\"))
     if f.has_body is not None:
         dropped = _m.c.body_dropped_at
         clauses.append(dropped.is_(None) if f.has_body else dropped.is_not(None))

@@ -13,6 +13,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount, Route
 
-from outbox.schema import messages
+from outbox.schema import messages, relays
 from relay.console import Auth, Role, UsersFile, add_user, create_app
 from tests.support.browser import LiveServer, chromium, screenshot, wait_until
 from tests.support.factories import email, enqueue
@@ -86,8 +87,18 @@ def test_an_operator_logs_in_filters_pages_and_reads_a_timeline(backend, console
             .where(messages.c.id.in_(ids[:2]))
             .values(status="failed", last_error_code="MessageRejected", attempt_count=1)
         )
+    with backend.engine.begin() as conn:
+        now = datetime.now(UTC)
+        conn.execute(
+            relays.insert().values(
+                relay_id="relay-a", host="worker-1", pid=4242, started_at=now, heartbeat_at=now,
+                state="running",
+            )
+        )  # fmt: skip
     base = f"{console.url}/outbox"
     with chromium() as driver:
+        driver.get(f"{base}/login")
+        screenshot(driver, "console-login")
         log_in(driver, base, "olga@example.com")
         totals = {
             cell.get_attribute("data-status"): int(cell.text)
@@ -96,6 +107,20 @@ def test_an_operator_logs_in_filters_pages_and_reads_a_timeline(backend, console
         assert totals["pending"] == 54
         assert totals["failed"] == 2
         screenshot(driver, "console-overview")
+
+        driver.find_element(By.LINK_TEXT, "Relays").click()
+        wait_until(driver, lambda d: d.find_elements(By.ID, "relays"), message="the relays")
+        assert "relay-a" in driver.find_element(By.ID, "relays").text
+        screenshot(driver, "console-relays")
+        driver.find_element(By.LINK_TEXT, "Suppressions").click()
+        driver.find_element(By.ID, "addresses").send_keys("bounced@example.com")
+        driver.find_element(By.ID, "suppress-reason").send_keys("asked to stop")
+        driver.find_element(By.ID, "do-suppress").click()
+        wait_until(driver, lambda d: d.find_elements(By.ID, "outcome"), message="the outcome")
+        assert driver.find_element(By.ID, "outcome").text == "suppressed 1 address(es)"
+        driver.get(f"{base}/suppressions")
+        assert "bounced@example.com" in driver.find_element(By.ID, "suppressions").text
+        screenshot(driver, "console-suppressions")
 
         driver.find_element(By.LINK_TEXT, "Messages").click()
         wait_until(driver, lambda d: d.find_elements(By.ID, "messages"), message="the list")

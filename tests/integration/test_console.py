@@ -719,3 +719,26 @@ def test_the_emails_html_reaches_the_frame_without_anything_that_reaches_out(eng
         assert gone not in body, gone
     assert "<style>p{color:red}</style>" in body
     assert 'src="data:image/png;base64,AAAA"' in body
+
+
+def test_operators_filter_by_recipient_and_delivery_viewers_not_by_recipient(engine, users):
+    ids = enqueue(engine, [email(1, to=["Jane_Doe@Example.com"]), email(2), email(3)])
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == ids[2])
+            .values(status="sent", delivery_status="bounced")
+        )
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    found = c.get("/messages", params={"recipient": "jane_doe@"}).text
+    assert re.findall(r'<tr data-id="(\d+)"', found) == [str(ids[0])]
+    assert (
+        re.findall(r'<tr data-id="(\d+)"', c.get("/messages", params={"recipient": "%"}).text) == []
+    )
+    bounced = c.get("/messages", params={"delivery": "bounced"}).text
+    assert re.findall(r'<tr data-id="(\d+)"', bounced) == [str(ids[2])]
+    viewer = client(engine, users)
+    login(viewer, "vic")
+    assert viewer.get("/messages", params={"recipient": "jane"}).status_code == 400
+    assert "by-category" in viewer.get("/").text
