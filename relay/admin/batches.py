@@ -117,12 +117,15 @@ def in_batches(
     by_id: bool,
     apply: Callable[..., list[int]],
     advance: Callable[[int], None] | None = None,
+    unchanged_since: datetime | None = None,
 ) -> list[int]:
     """The ids changed, batch by batch in id order. Stopped part way, it says how far it got:
     the batches before are committed, the rest unchanged, so running it again finishes it --
     with the same filters, or with the given ids not yet reached (the same ids again would be
     refused: the ones done are no longer in a status the command changes). ``advance`` is
-    told each batch's size (None: a progress bar on a terminal, as the commands show)."""
+    told each batch's size (None: a progress bar on a terminal, as the commands show).
+    ``unchanged_since``: only rows not changed after it (the moment an operator was shown
+    them) are changed; the rest count as moved meanwhile."""
     done: list[int] = []
     reached = 0  # how many of ``chosen`` the committed batches covered
     committing: list[int] = []  # the changes of a batch whose COMMIT is under way
@@ -135,7 +138,7 @@ def in_batches(
                 batch = chosen[start : start + CHANGE_BATCH]
                 with engine.begin() as conn:
                     now = read_database_time(conn)  # requeued rows are due by the relays' clock
-                    before = ops.lock_for_change(conn, batch, change.allowed)
+                    before = ops.lock_for_change(conn, batch, change.allowed, unchanged_since)
                     changed = apply(conn, ids=sorted(before), now=now)
                     store.record_attempts(
                         conn,

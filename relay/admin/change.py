@@ -303,13 +303,20 @@ def resolve_one(
     provider_message_id: str | None,
     reason: str | None,
     actor: str,
+    unchanged_since: datetime | None = None,
 ) -> dict[str, Any]:
     """Resolve one message (the command's and the console's): in one transaction, its row
     locked and changed, its attempt row and its log row; refused
-    (:class:`click.ClickException`) with nothing changed when its status does not allow it."""
+    (:class:`click.ClickException`) with nothing changed when its status does not allow it,
+    or (``unchanged_since``: what the console showed) when it changed since."""
     with engine.begin() as conn:
         now = read_database_time(conn)
-        previous = ops.lock_for_change(conn, [message_id]).get(message_id)
+        previous = ops.lock_for_change(conn, [message_id], None, unchanged_since).get(message_id)
+        if previous is None and unchanged_since is not None:
+            raise click.ClickException(
+                f"message {message_id} changed since you looked at it, or is gone: nothing "
+                "changed; look at it again"
+            )
         if previous is None:
             raise click.ClickException(f"no message with id {message_id}")
         if delivered:

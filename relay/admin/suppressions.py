@@ -48,7 +48,7 @@ def _suppressed_address(text: str) -> str:
 def _addresses(values: Iterable[str]) -> list[str]:
     """The given addresses, checked and keyed, in order, each once; any that is not an email
     address stops the command before anything changes, naming it."""
-    keyed: list[str] = []
+    keyed: dict[str, None] = {}  # ordered, and each seen in constant time
     bad: list[str] = []
     for value in values:
         try:
@@ -56,11 +56,10 @@ def _addresses(values: Iterable[str]) -> list[str]:
         except InvalidEmail:
             bad.append(repr(value))
             continue
-        if address not in keyed:
-            keyed.append(address)
+        keyed.setdefault(address)
     if bad:
         raise click.BadParameter(f"not an email address: {some(bad)}", param_hint="'ADDRESS'")
-    return keyed
+    return list(keyed)
 
 
 def _suppress(

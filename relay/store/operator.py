@@ -133,15 +133,21 @@ def actions_on(conn: sa.Connection, message_id: int) -> list[dict[str, Any]]:
 
 
 def lock_for_change(
-    conn: sa.Connection, ids: Sequence[int], allowed: Sequence[str] | None = None
+    conn: sa.Connection,
+    ids: Sequence[int],
+    allowed: Sequence[str] | None = None,
+    unchanged_since: datetime | None = None,
 ) -> dict[int, str]:
-    """The status of each of ``ids`` (only those in ``allowed``, when given), the rows locked
+    """The status of each of ``ids`` (only those in ``allowed``, when given, and only those
+    not changed after ``unchanged_since``: what an operator was shown), the rows locked
     ``FOR UPDATE`` on PostgreSQL and MariaDB until the transaction ends: the status logged as
     a change's ``from`` is the one the change replaced. A relay's claim skips the locked rows
     (``SKIP LOCKED``); this waits for a claim that holds one."""
     stmt = sa.select(messages.c.id, messages.c.status).where(messages.c.id.in_(ids))
     if allowed is not None:
         stmt = stmt.where(messages.c.status.in_(allowed))
+    if unchanged_since is not None:
+        stmt = stmt.where(messages.c.updated_at <= unchanged_since)
     return {row.id: row.status for row in conn.execute(stmt.with_for_update())}
 
 
