@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import sys
 from pathlib import Path
@@ -61,9 +62,10 @@ def _networks(values: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddres
 def _secret(path: Path | None) -> bytes | None:
     if path is None:
         return None
-    try:
-        mode = path.stat().st_mode
-        key = path.read_bytes().strip()
+    try:  # one open, no symlink: the mode checked is the file read
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as opened:
+            mode = os.fstat(opened.fileno()).st_mode
+            key = opened.read().strip()
     except OSError as exc:
         raise StartupError(f"--secret-key-file: {path}: {exc.strerror or exc}") from None
     if mode & 0o077:  # whoever reads the key can forge an operator's session

@@ -7,7 +7,13 @@ the same attempt rows and operators' log, with the signed-in user as the actor."
 from __future__ import annotations
 
 import dataclasses
+import secrets
+import threading
+import time
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -22,10 +28,20 @@ from relay import store
 from relay.admin.batches import Change, in_batches
 from relay.admin.change import check_provider_id, resolve_one, select_for_change
 from relay.admin.suppressions import add_manual, remove
+from relay.clock import read_database_time
 from relay.console.guard import Session, cross_site, csrf_matches
 from relay.console.views import BadFilter, Pages, message_filter, number
 
-__all__ = ["BULK", "Actions", "Bulk"]
+__all__ = [
+    "ACTION_FORM_BYTES",
+    "BULK",
+    "PREVIEWS",
+    "PREVIEW_SECONDS",
+    "Actions",
+    "Bulk",
+    "Preview",
+    "Previews",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +79,59 @@ BULK = {
 _FILTER_FIELDS = ("status", "category", "key", "error", "from", "until", "delivery", "recipient")
 
 
+PREVIEW_SECONDS = 900.0  # how long a bulk preview may wait for its confirmation
+PREVIEWS = 32  # previews one process keeps waiting (a million ids take 8 MB)
+ACTION_FORM_BYTES = 1 << 20  # an operator's form: a suppression list of thousands fits
+
+
+def _moment(text: str) -> datetime | None:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
 def _reason(form: FormData) -> str | None:
     text = str(form.get("reason", "")).strip()
     return text[:1000] or None
+
+
+@dataclass(frozen=True, slots=True)
+class Preview:
+    """What a bulk preview showed: the ids it counted, as of the database's ``seen_at``."""
+
+    verb: str
+    actor: str
+    ids: array[int]
+    seen_at: datetime
+
+
+class Previews:
+    """The previews waiting for their confirmation, in this process: each applied at most
+    once, by the user who made it, within ``PREVIEW_SECONDS``; the oldest forgotten past
+    ``PREVIEWS``. A confirmation that reaches another replica is refused (preview again)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[str, tuple[float, Preview]] = OrderedDict()
+
+    def keep(self, preview: Preview) -> str:
+        token = secrets.token_urlsafe(24)
+        with self._lock:
+            self._kept[token] = (time.monotonic() + PREVIEW_SECONDS, preview)
+            while len(self._kept) > PREVIEWS:
+                self._kept.popitem(last=False)
+        return token
+
+    def take(self, token: str, actor: str) -> Preview | None:
+        with self._lock:
+            kept = self._kept.get(token)
+            if kept is None or kept[1].actor != actor:
+                return None
+            del self._kept[token]
+        until, preview = kept
+        return preview if until > time.monotonic() else None
 
 
 class Actions:
@@ -73,6 +139,7 @@ class Actions:
 
     def __init__(self, pages: Pages) -> None:
         self.pages = pages
+        self.previews = Previews()
 
     async def _form(self, request: Request, session: Session) -> FormData | Response:
         """The POSTed form, or the refusal of a form another site sent or a stale one."""
@@ -100,10 +167,14 @@ class Actions:
         action = str(form.get("action", ""))
         reason, actor = _reason(form), session.user.name
         engine = self.pages.engine
+        # the row as the page showed it: a replayed or stale form changes nothing
+        version = _moment(str(form.get("version", "")))
 
         def work() -> str:
             if message_id is None:
                 raise click.ClickException("no such message")
+            if version is None:
+                raise click.ClickException("an incomplete form: look at the message again")
             if action in BULK:
                 bulk = BULK[action]
                 with engine.connect() as conn:
@@ -113,10 +184,13 @@ class Actions:
                     )  # fmt: skip
                 done = in_batches(
                     engine, ids, reason, bulk.change(actor), by_id=True, apply=bulk.apply,
-                    advance=lambda _n: None,
+                    advance=lambda _n: None, unchanged_since=version,
                 )  # fmt: skip
                 if not done:
-                    return f"message {message_id} moved on meanwhile: nothing changed"
+                    raise click.ClickException(
+                        f"message {message_id} changed since you looked at it: nothing "
+                        "changed; look at it again"
+                    )
                 return f"{bulk.done_as.value} message {message_id}"
             if action in ("resolve_delivered", "resolve_not_delivered"):
                 delivered = action == "resolve_delivered"
@@ -125,7 +199,7 @@ class Actions:
                     check_provider_id(provider_id)
                 result = resolve_one(
                     engine, message_id, delivered=delivered, provider_message_id=provider_id,
-                    reason=reason, actor=actor,
+                    reason=reason, actor=actor, unchanged_since=version,
                 )  # fmt: skip
                 how = "delivered: sent" if delivered else "not delivered: requeued"
                 return f"resolved message {message_id} as {how} (was {result['previous_status']})"
@@ -151,6 +225,7 @@ class Actions:
             return self._result(request, session, 400, outcome=str(bad), back=None)
 
         def work(conn: sa.Connection) -> dict[str, Any]:
+            seen_at = read_database_time(conn)
             ids, left_out = select_for_change(
                 conn, (), flt, bulk.allowed, bulk.verb, needs_body=bulk.needs_body
             )
@@ -158,8 +233,8 @@ class Actions:
             sending = Status.PROCESSING.value
             return {
                 "matched": store.count_messages(conn, flt),
-                "chosen": len(ids),
-                "upto": max(ids, default=0),
+                "ids": ids,
+                "seen_at": seen_at,
                 "left_out": len(left_out),
                 "sending": store.count_messages(conn, dataclasses.replace(flt, statuses=(sending,)))
                 if sending in asked
@@ -170,36 +245,40 @@ class Actions:
             found = await self.pages.read(work)
         except click.ClickException as refused:
             return self._result(request, session, 409, outcome=refused.format_message(), back=None)
+        ids = found.pop("ids")
+        token = self.previews.keep(
+            Preview(
+                verb=bulk.verb, actor=session.user.name, ids=array("q", ids),
+                seen_at=found.pop("seen_at"),
+            )
+        )  # fmt: skip
         hidden = [(k, v) for k, v in q.multi_items() if k in _FILTER_FIELDS]
         return self.pages.render(
-            request, "preview.html", session, bulk=bulk, hidden=hidden, **found
-        )
+            request, "preview.html", session, bulk=bulk, hidden=hidden, chosen=len(ids),
+            preview=token, **found,
+        )  # fmt: skip
 
     async def apply(self, request: Request, session: Session) -> Response:
-        """POST /actions/apply: the previewed change, to the messages matching the filter now
-        that were there at the preview (ids up to the preview's highest), in batches."""
+        """POST /actions/apply: the previewed change, to exactly the messages the preview
+        counted, each only if it has not changed since (a message that moved, or that
+        committed after, is left alone and counted), in batches. A preview is applied once."""
         form = await self._form(request, session)
         if isinstance(form, Response):
             return form
-        bulk = BULK.get(str(form.get("action", "")))
-        upto = number(str(form.get("upto", "")))
-        if bulk is None or upto is None:
-            return self._result(request, session, 400, outcome="an incomplete form", back=None)
-        try:
-            flt = message_filter(form)
-        except BadFilter as bad:
-            return self._result(request, session, 400, outcome=str(bad), back=None)
+        preview = self.previews.take(str(form.get("preview", "")), session.user.name)
+        if preview is None:
+            return self._result(
+                request, session, 409, back=None,
+                outcome="this preview was applied already, or expired: preview again",
+            )  # fmt: skip
+        bulk = BULK[preview.verb]
         reason, actor, engine = _reason(form), session.user.name, self.pages.engine
 
         def work() -> str:
-            with engine.connect() as conn:
-                ids, _ = select_for_change(
-                    conn, (), flt, bulk.allowed, bulk.verb, needs_body=bulk.needs_body
-                )
-            chosen = sorted(i for i in ids if i <= upto)
+            chosen = list(preview.ids)
             done = in_batches(
                 engine, chosen, reason, bulk.change(actor), by_id=False, apply=bulk.apply,
-                advance=lambda _n: None,
+                advance=lambda _n: None, unchanged_since=preview.seen_at,
             )  # fmt: skip
             moved = len(chosen) - len(done)
             tail = f" ({moved} moved meanwhile and were left alone)" if moved else ""

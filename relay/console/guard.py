@@ -20,9 +20,12 @@ import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl
 
 from itsdangerous import BadSignature, URLSafeTimedSerializer
+from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from relay.console.users import Role, User, UsersFile, valid_name
@@ -39,6 +42,7 @@ __all__ = [
     "Sessions",
     "cross_site",
     "csrf_matches",
+    "read_form",
 ]
 
 SESSION_COOKIE = "outbox_console"
@@ -222,6 +226,27 @@ def cross_site(request: Request) -> bool:
     return origin.split("://", 1)[-1] != host
 
 
+async def read_form(request: Request, limit: int) -> FormData | Response:
+    """A URL-encoded form of at most ``limit`` bytes, read only that far: anything else (a
+    multipart upload Starlette would spool to disk, a body past the limit) is refused before
+    it is stored. The console's forms are all URL-encoded."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "application/x-www-form-urlencoded":
+        return Response("a form, URL-encoded", status_code=415, media_type="text/plain")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return Response("too large", status_code=413, media_type="text/plain")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return Response("too large", status_code=413, media_type="text/plain")
+    fields: list[tuple[str, str | UploadFile]] = list(
+        parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
+    )
+    return FormData(fields)
+
+
 def csrf_matches(session: Session, token: str | None) -> bool:
     return token is not None and hmac.compare_digest(session.csrf, token)
 
@@ -256,7 +281,11 @@ class LoginThrottle:
 
     @staticmethod
     def keys(name: str, address: str) -> dict[str, str]:
-        folded = unicodedata.normalize("NFKC", name).strip().casefold()
+        """The keys of a login as ``name`` from ``address``: a name that is none a user can
+        have counts as one (``""``), and names are kept as digests (a huge one costs
+        nothing to keep)."""
+        folded = unicodedata.normalize("NFKC", name[:256]).strip().casefold()
+        folded = hashlib.sha256((folded if valid_name(folded) else "").encode()).hexdigest()
         return {
             "pair": f"pair:{folded}\0{address}",
             "name": f"name:{folded}",

@@ -16,7 +16,7 @@ __all__ = ["DOT", "HIDDEN", "Shown"]
 HIDDEN = "(hidden from viewers)"
 DOT = "\u2022\u2022\u2022"
 # an address-looking run in free text a viewer is shown (subjects): masked, best effort
-_EMAIL = re.compile(r"([^\s<>\"',;:@]+)@([^\s<>\"',;:@]+)")
+_EMAIL = re.compile(r"(\"[^\"]*\"|[^\s<>\"',;:@]+)@([^\s<>\"',;:@]+)")
 
 
 def _mask_spec(spec: str) -> str:
@@ -46,12 +46,13 @@ class Shown:
         return self.addresses(value)
 
     def key(self, value: Any) -> str:
-        """An idempotency key: a viewer sees its prefix (up to its last ':'), no more."""
+        """An idempotency key: a viewer sees its first part (up to its first ':'), no more:
+        what follows is the app's own, and may hold an address or a name."""
         text = "" if value is None else str(value)
         if not self.viewer:
             return text
-        prefix, colon, _ = text.rpartition(":")
-        return f"{prefix}{colon}{DOT}" if colon else DOT
+        prefix, colon, _ = text.partition(":")
+        return f"{prefix}{colon}{DOT}" if colon and "@" not in prefix else DOT
 
     def subject(self, value: Any) -> str:
         """A subject: shown to viewers (it is how a message is told apart), with anything

@@ -85,24 +85,30 @@ class UsersFile:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int, int] | None = None
+        self._stamp: tuple[int, int, int, int] | None = None
         self._users: dict[str, tuple[Role, str]] = {}
         self.load()
 
     def load(self) -> dict[str, tuple[Role, str]]:
+        """The users, read again when the file changed. One open, never through a symlink:
+        its mode is checked and its text read on that same descriptor, so a file swapped in
+        between the check and the read cannot slip through; the stamp holds the inode, so a
+        swap and a swap back are a change too."""
         try:
-            stat = self.path.stat()
-            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_mode)
-            with self._lock:
-                if stamp != self._stamp:
-                    _check_private(self.path)
-                    self._users = _parse(self.path, self.path.read_text(encoding="utf-8"))
-                    self._stamp = stamp
-                return self._users
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, encoding="utf-8") as opened:
+                stat = os.fstat(opened.fileno())
+                stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size, stat.st_mode)
+                with self._lock:
+                    if stamp != self._stamp:
+                        _check_private(self.path, stat.st_mode)
+                        self._users = _parse(self.path, opened.read())
+                        self._stamp = stamp
+                    return self._users
         except OSError as exc:
             raise ConfigurationError(
                 f"users file {self.path}",
-                f"{exc.strerror or exc} (create it with `outbox-relay ui-user add`)",
+                f"{exc.strerror or exc} (create it with `outbox-relay ui-user add`; not a symlink)",
             ) from None
 
     def user(self, name: str) -> User | None:
@@ -124,9 +130,8 @@ def _stamp(digest: str) -> str:
     return hashlib.sha256(digest.encode()).hexdigest()[:32]
 
 
-def _check_private(path: Path) -> None:
+def _check_private(path: Path, mode: int) -> None:
     """Refuse a users file others may read (the hashes) or change (the roles)."""
-    mode = path.stat().st_mode
     if mode & 0o077:
         raise ConfigurationError(
             f"users file {path}",

@@ -24,7 +24,15 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from outbox.schema import DeliveryStatus, Status
 from relay import store
 from relay.clock import read_database_time
-from relay.console.guard import LoginThrottle, Session, Sessions, cross_site, csrf_matches
+from relay.console.guard import (
+    LoginThrottle,
+    Session,
+    Sessions,
+    cross_site,
+    csrf_matches,
+    read_form,
+)
+from relay.console.live import LiveWake
 from relay.console.masking import Shown
 from relay.console.sanitize import clean_email_html
 from relay.console.users import Role, User
@@ -33,9 +41,12 @@ from relay.store import operator as ops
 __all__ = [
     "CHART_HEIGHT",
     "HERE",
+    "LIVE_COALESCE",
     "LIVE_LIMIT",
+    "LIVE_PER_USER",
     "LIVE_SECONDS",
     "LIVE_STREAMS",
+    "LOGIN_FORM_BYTES",
     "MAX_PAGE",
     "PAGE_SIZE",
     "BadFilter",
@@ -46,8 +57,11 @@ __all__ = [
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
+LOGIN_FORM_BYTES = 16 * 1024  # a login or logout form: names, a password, a token
+LIVE_PER_USER = 5  # live streams one user may hold open at once
 MAX_PAGE = 2000  # the suppressions page pages by number, up to 100,000 addresses deep
 LIVE_SECONDS = 5.0  # how often an open overview's counts are sent again
+LIVE_COALESCE = 0.5  # after a NOTIFY, the wait for more before reading the counts once
 LIVE_LIMIT = 600.0  # a live stream ends after this and the browser opens another
 LIVE_STREAMS = 50  # live streams one console process serves at once
 _REVIEW = {"bounce_rate": 0.05, "complaint_rate": 0.001}  # the rates SES reviews an account at
@@ -123,7 +137,10 @@ class Pages:
             autoescape=select_autoescape(default=True, default_for_string=True),
         )
         self.templates.filters["when"] = _when
+        self.templates.filters["iso"] = lambda v: v.isoformat() if isinstance(v, datetime) else ""
         self.streams = 0  # live pages open now (one event loop: no lock needed)
+        self.wake = LiveWake(engine)
+        self.streams_of: dict[str, int] = {}  # live streams open per user
 
     # -- rendering and access ----------------------------------------------------------------
 
@@ -187,9 +204,15 @@ class Pages:
 
     async def login(self, request: Request) -> Response:
         users = self.sessions.auth.users_file
-        form = await request.form()
         nonce = self.sessions.cookie(request, self.sessions.login_cookie)
-        if users is None or cross_site(request) or not nonce or form.get("nonce") != nonce:
+        if users is None or cross_site(request) or not nonce:  # before the body is read
+            return self.render(
+                request, "refused.html", None, 403, why="Refused: not this site's form."
+            )
+        form = await read_form(request, LOGIN_FORM_BYTES)
+        if isinstance(form, Response):
+            return form
+        if form.get("nonce") != nonce:
             return self.render(
                 request, "refused.html", None, 403, why="Refused: not this site's form."
             )
@@ -233,12 +256,18 @@ class Pages:
 
     async def logout(self, request: Request) -> Response:
         session = self.sessions.current(request)
-        form = await request.form()
-        token = form.get("csrf")
+        form = (
+            None
+            if session is None or cross_site(request)
+            else await read_form(request, LOGIN_FORM_BYTES)
+        )
+        if isinstance(form, Response):
+            return form
+        token = None if form is None else form.get("csrf")
         if (
             session is None
+            or form is None
             or session.by_header
-            or cross_site(request)
             or not csrf_matches(session, token if isinstance(token, str) else None)
         ):
             return self.render(
@@ -280,7 +309,8 @@ class Pages:
         ``LIVE_SECONDS`` while the page is open (the page's script closes it while its tab is
         hidden). Ends when the client goes, when its session ends (a removed user), or after
         ``LIVE_LIMIT`` seconds (the browser reconnects). At most ``LIVE_STREAMS`` at once."""
-        if self.streams >= LIVE_STREAMS:
+        user = session.user.name
+        if self.streams >= LIVE_STREAMS or self.streams_of.get(user, 0) >= LIVE_PER_USER:
             return Response("too many live pages", status_code=503, headers={"Retry-After": "30"})
 
         def totals(conn: sa.Connection) -> dict[str, int]:
@@ -291,6 +321,8 @@ class Pages:
 
         async def events() -> AsyncIterator[str]:
             self.streams += 1
+            self.streams_of[user] = self.streams_of.get(user, 0) + 1
+            wake = self.wake.open()
             try:
                 yield "retry: 10000\n\n"
                 started = time.monotonic()
@@ -298,9 +330,18 @@ class Pages:
                     if await request.is_disconnected() or self.sessions.current(request) is None:
                         return
                     yield f"event: totals\ndata: {json.dumps(await self.read(totals))}\n\n"
-                    await asyncio.sleep(LIVE_SECONDS)
+                    try:  # the next poll, or sooner when a commit enqueued (PostgreSQL)
+                        await asyncio.wait_for(wake.wait(), LIVE_SECONDS)
+                        await asyncio.sleep(LIVE_COALESCE)  # a burst of commits: one read
+                    except TimeoutError:
+                        pass
+                    wake.clear()
             finally:
+                self.wake.close(wake)
                 self.streams -= 1
+                self.streams_of[user] -= 1
+                if not self.streams_of[user]:
+                    del self.streams_of[user]
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

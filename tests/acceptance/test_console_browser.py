@@ -286,3 +286,30 @@ def test_the_overview_counts_update_live_and_stop_while_the_tab_is_hidden(backen
         driver.switch_to.window(overview)
         driver.execute_cdp_cmd("Page.bringToFront", {})
         wait_until(driver, lambda d: pages.streams == 1, message="the stream back once visible")
+
+
+def test_on_postgresql_a_commit_that_enqueues_wakes_the_live_counts(
+    postgres_backend, users, monkeypatch
+):
+    """With the poll a minute away, only the NOTIFY of the enqueue's commit can bring the
+    new count to the page within the wait."""
+    from relay.console import views
+
+    monkeypatch.setattr(views, "LIVE_SECONDS", 60.0)
+    app = create_app(postgres_backend.engine, auth=Auth(users_file=UsersFile(users)))
+    pages = app.app.state.pages
+    with LiveServer(app) as server, chromium() as driver:
+        log_in(driver, server.url, "vic")
+        wait_until(driver, lambda d: pages.wake.listening, message="the listener")
+        time.sleep(1.0)  # the first poll's answer is in; the next is a minute away
+        enqueue(postgres_backend.engine, 2, short=True)
+        wait_until(
+            driver,
+            lambda d: d.find_element(By.CSS_SELECTOR, 'td[data-status="pending"]').text == "2",
+            timeout=20,
+            message="the count woken by the NOTIFY",
+        )
+    deadline = time.monotonic() + 10
+    while pages.wake.listening and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pages.wake.listening  # the last stream closed: the listener stopped

@@ -282,6 +282,17 @@ def csrf_of(c: TestClient, path: str) -> str:
 
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
+HIDDEN = re.compile(r'<input type="hidden" name="([^"]+)" value="([^"]*)"')
+
+
+def action_form(c: TestClient, mid: int, action: str) -> dict[str, str]:
+    """The hidden fields of the message page's form for ``action``."""
+    page = c.get(f"/messages/{mid}").text
+    for chunk in page.split("<form")[1:]:
+        fields = dict(HIDDEN.findall(chunk.split("</form>")[0]))
+        if fields.get("action") == action:
+            return fields
+    raise AssertionError(f"no {action} form on the page")
 
 
 def test_an_operator_requeues_one_message_with_a_reason_logged_under_their_name(engine, users):
@@ -290,11 +301,9 @@ def test_an_operator_requeues_one_message_with_a_reason_logged_under_their_name(
         conn.execute(sa.update(messages).where(messages.c.id == mid).values(status="failed"))
     c = client(engine, users)
     login(c, "olga@example.com")
-    token = csrf_of(c, f"/messages/{mid}")
+    form = action_form(c, mid, "requeue")
     done = c.post(
-        f"/messages/{mid}/act",
-        data={"csrf": token, "action": "requeue", "reason": "the domain is fixed"},
-        headers=SAME,
+        f"/messages/{mid}/act", data={**form, "reason": "the domain is fixed"}, headers=SAME
     )
     assert done.status_code == 200, done.text
     assert f"requeued message {mid}" in done.text
@@ -309,9 +318,16 @@ def test_an_operator_requeues_one_message_with_a_reason_logged_under_their_name(
             )
         ).all()
     assert [tuple(r) for r in logged] == [("olga@example.com", "requeue", "the domain is fixed")]
-    again = c.post(f"/messages/{mid}/act", data={"csrf": token, "action": "requeue"}, headers=SAME)
+    with engine.begin() as conn:  # the resend's outcome is unknown again, a moment later
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id == mid)
+            .values(status="unknown_outcome", updated_at=datetime.now(UTC) + timedelta(seconds=1))
+        )
+    # the result page reloaded, or the form sent again from another tab (attack A2)
+    again = c.post(f"/messages/{mid}/act", data=form, headers=SAME)
     assert again.status_code == 409
-    assert "only unknown_outcome or failed messages" in again.text
+    assert "changed since you looked at it" in again.text
 
 
 def test_a_viewer_and_a_forged_form_cannot_act(engine, users):
@@ -742,3 +758,103 @@ def test_operators_filter_by_recipient_and_delivery_viewers_not_by_recipient(eng
     login(viewer, "vic")
     assert viewer.get("/messages", params={"recipient": "jane"}).status_code == 400
     assert "by-category" in viewer.get("/").text
+
+
+def test_a_bulk_apply_changes_exactly_what_its_preview_counted_and_only_once(engine, users):
+    """Attack A1/A3: the apply picked again by filter and id bound, so a message skipped
+    while it was being sent, or one whose insert committed after the preview with a lower
+    id, was changed too; a confirmation sent twice applied twice."""
+    ids = enqueue(engine, 4, short=True, prefix="batch")
+    with engine.begin() as conn:
+        conn.execute(sa.update(messages).where(messages.c.id.in_(ids[:3])).values(status="failed"))
+        conn.execute(sa.update(messages).where(messages.c.id == ids[3]).values(status="processing"))
+    c = client(engine, users)
+    login(c, "olga@example.com")
+    preview = c.get("/actions/preview", params={"action": "requeue", "key": "batch:*"})
+    assert re.search(r'id="chosen">3<', preview.text)
+    form = dict(HIDDEN.findall(preview.text))
+    later = datetime.now(UTC) + timedelta(seconds=1)
+    with engine.begin() as conn:
+        # the one being sent ends unknown; one counted fails again after a resend
+        conn.execute(
+            sa.update(messages)
+            .where(messages.c.id.in_([ids[3], ids[0]]))
+            .values(status="unknown_outcome", updated_at=later)
+        )
+    done = c.post("/actions/apply", data=form, headers=SAME)
+    assert done.status_code == 200, done.text
+    assert "requeued 2 message(s) (1 moved meanwhile" in done.text
+    with engine.connect() as conn:
+        got = dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
+    assert [got[i] for i in ids] == ["unknown_outcome", "pending", "pending", "unknown_outcome"]
+    replay = c.post("/actions/apply", data=form, headers=SAME)
+    assert replay.status_code == 409
+    assert "applied already" in replay.text
+
+
+def test_forms_are_read_only_url_encoded_and_bounded(engine, users):
+    """Attack D2: a multipart upload to /login was spooled to disk before any check."""
+    c = client(engine, users)
+    page = c.get("/login")
+    nonce = NONCE.search(page.text)
+    assert nonce is not None
+    upload = c.post(
+        "/login",
+        files={"big": ("x.bin", b"x" * 1024)},
+        data={"nonce": nonce.group(1)},
+        headers=SAME,
+    )
+    assert upload.status_code == 415
+    huge = c.post(
+        "/login",
+        content=b"name=" + b"a" * (64 * 1024),
+        headers={**SAME, "content-type": "application/x-www-form-urlencoded"},
+    )
+    assert huge.status_code == 413
+    stranger = client(engine, users)  # no nonce cookie: refused before the body is read
+    assert stranger.post("/login", files={"big": ("x.bin", b"x")}, headers=SAME).status_code == 403
+
+
+def test_a_viewer_sees_only_a_keys_first_part(engine, users):
+    """Attack C1: the mask kept a key up to its last ':'."""
+    enqueue(
+        engine,
+        [email(1, subject='for "alice private"@example.com')],
+        key="order:alice.private@example.com:42",
+    )
+    c = client(engine, users)
+    login(c, "vic")
+    page = c.get("/messages").text
+    assert "alice" not in page
+    assert "order:\u2022\u2022\u2022" in page
+
+
+def test_a_users_file_reached_through_a_symlink_is_refused(tmp_path, users):
+    """Attack F1 (round two): the check and the read were two opens of the path."""
+    link = tmp_path / "link"
+    link.symlink_to(users)
+    with pytest.raises(ConfigurationError, match="symlink"):
+        UsersFile(link)
+
+
+def test_a_huge_login_name_costs_the_throttle_no_more_than_a_short_one():
+    """Attack D1: the throttle kept each name whole (NFKC-expanded 18 times)."""
+    from relay.console.guard import LoginThrottle
+
+    keys = LoginThrottle.keys("\ufdfa" * 1_000_000, "198.51.100.7")
+    assert max(len(k) for k in keys.values()) < 200
+    assert (
+        LoginThrottle.keys("Olga@Example.com", "a")["name"]
+        == LoginThrottle.keys("olga@example.com", "b")["name"]
+    )
+
+
+def test_one_user_cannot_hold_every_live_stream(engine, users):
+    """Attack L1: one viewer's tabs could take all 50 streams."""
+    from relay.console.views import LIVE_PER_USER
+
+    app = create_app(engine, auth=Auth(users_file=UsersFile(users)), secure_cookies=False)
+    c = TestClient(app, follow_redirects=False)
+    login(c, "vic")
+    app.app.state.pages.streams_of["vic"] = LIVE_PER_USER
+    assert c.get("/live").status_code == 503

@@ -42,6 +42,7 @@ COMMAND_LINE = (
     "relay.console",
     "relay.console.actions",
     "relay.console.guard",
+    "relay.console.live",
     "relay.console.masking",
     "relay.console.sanitize",
     "relay.console.users",
