@@ -32,6 +32,7 @@ COMMAND_ARGS = {
     "events": ["--events-queue-url", "http://127.0.0.1:9/000000000000/q", "--exit-when-idle"],
     "doctor": ["--sender", "console"],
     "send-test": ["--to", "customer@example.com", "--from", "shop@example.com", "--wait", "0"],
+    "ui": ["--trusted-header", "X-Forwarded-Email", "--trusted-proxy", "127.0.0.1"],
 }
 # doctor reports an unreachable database or a missing schema as a `fail` line (exit 1)
 ADMIN = [name for name in COMMAND_ARGS if name not in ("run", "migrate", "doctor")]
@@ -40,7 +41,7 @@ WITHOUT = "import sys; sys.modules[{module!r}] = None; from relay.cli import mai
 
 
 # commands without a database: their refusals are tested below and in test_alembic_app.py
-NO_DATABASE = {"alembic-revision"}
+NO_DATABASE = {"alembic-revision", "ui-user"}
 
 
 def test_every_command_is_covered():
