@@ -397,6 +397,9 @@ relays = sa.Table(
     sa.Column("started_at", UTCDateTime(), nullable=False),
     sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
     sa.Column("state", sa.String(20), nullable=False),
+    # the relay's scoped pauses as compact JSON, written with each heartbeat (NULL: none);
+    # bounded by the relay (relay/store/relays.py), well under MariaDB's 64 KB TEXT
+    sa.Column("paused_scopes", sa.Text(), nullable=True),
     mysql_engine="InnoDB",
 )
 

@@ -24,6 +24,7 @@ __all__ = [
     "Pauses",
     "Scope",
     "ScopeKind",
+    "ScopePause",
     "identities",
     "identity",
     "resource_scope",
@@ -146,7 +147,20 @@ class _Pause:
     code: str
     until: float  # monotonic time of the next probe
     seen: float  # monotonic time it last held or probed a message (or began)
+    began: float  # monotonic time the scope was paused (kept while it is paused again)
     probing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ScopePause:
+    """One pause as it stands, for showing (the relay's row in ``outbox_relays``): its scope,
+    the provider's code, seconds since it began and until its next probe (None while a
+    probe is out)."""
+
+    scope: Scope
+    code: str
+    age: float
+    probe_in: float | None
 
 
 class Pauses:
@@ -156,6 +170,9 @@ class Pauses:
         self.seconds = seconds
         self._clock = clock
         self._pauses: dict[Scope, _Pause] = {}
+        # counts scopes paused and pauses ended: a reader that remembers it knows whether
+        # the set of paused scopes changed since (the heartbeat writes it out soon then)
+        self.changes = 0
 
     def __bool__(self) -> bool:
         return bool(self._pauses)
@@ -180,10 +197,13 @@ class Pauses:
 
     def pause(self, scope: Scope, code: str) -> bool:
         """Pause ``scope`` for ``seconds``; True if it was not paused before."""
-        first = scope not in self._pauses
+        before = self._pauses.get(scope)
         now = self._clock()
-        self._pauses[scope] = _Pause(code=code, until=now + self.seconds, seen=now)
-        return first
+        began = now if before is None else before.began
+        self._pauses[scope] = _Pause(code=code, until=now + self.seconds, seen=now, began=began)
+        if before is None:
+            self.changes += 1
+        return before is None
 
     def paused(self, scope: Scope) -> bool:
         return scope in self._pauses
@@ -250,6 +270,7 @@ class Pauses:
             pause.until = self._clock()
             return False
         del self._pauses[scope]
+        self.changes += 1
         return True
 
     def probe_lost(self, scope: Scope) -> None:
@@ -258,6 +279,19 @@ class Pauses:
         if pause is not None:
             pause.probing = False
             pause.until = self._clock() + self.seconds
+
+    def snapshot(self) -> list[ScopePause]:
+        """Every pause as it stands, in the order the scopes were paused."""
+        now = self._clock()
+        return [
+            ScopePause(
+                scope=scope,
+                code=p.code,
+                age=max(0.0, now - p.began),
+                probe_in=None if p.probing else max(0.0, p.until - now),
+            )
+            for scope, p in self._pauses.items()
+        ]
 
     def next_probe_in(self) -> float | None:
         """Seconds until the next probe is due (None when nothing waits for one)."""

@@ -115,7 +115,7 @@ class Relay:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self.connection = LoopConnection(engine, config, self._db_clock, self._rng)
-        self.registry = Registry(config, self.connection, lambda: self.clock())
+        self.registry = Registry(config, self.connection, lambda: self.clock(), self.pauses)
         self.dispatch = Dispatch(lambda: self.sender, config, self.limiter, self._wake)
         self.completer = Completer(
             self, config, self.connection, self._rng, stuck_retry=lambda: STUCK_RETRY

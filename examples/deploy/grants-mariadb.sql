@@ -105,7 +105,7 @@ GRANT SELECT, UPDATE (status, claim_token, claimed_by, claimed_at, lease_expires
     updated_at, fair_at)
     ON `${DB_NAME}`.`outbox_messages` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT ON `${DB_NAME}`.`outbox_attempts` TO '${RELAY_USER}'@'${CLIENT_HOST}';
-GRANT SELECT, INSERT, UPDATE (host, pid, started_at, heartbeat_at, state)
+GRANT SELECT, INSERT, UPDATE (host, pid, started_at, heartbeat_at, state, paused_scopes)
     ON `${DB_NAME}`.`outbox_relays` TO '${RELAY_USER}'@'${CLIENT_HOST}';
 GRANT SELECT, INSERT, DELETE ON `${DB_NAME}`.`outbox_send_budget`
     TO '${RELAY_USER}'@'${CLIENT_HOST}';

@@ -85,7 +85,8 @@ GRANT SELECT (id, idempotency_key, status, priority, fairness_key, line_at)
 --     nor changes what it says (key, category, priority, recipients, subject, payload) or
 --     how it is retried (attempt budget, backoff, ambiguity policy, expiry).
 --   outbox_attempts: one INSERT per attempt, swept send, reconcile and resolve.
---   outbox_relays: register (INSERT, or take over a dead relay's row), heartbeat and stop.
+--   outbox_relays: register (INSERT, or take over a dead relay's row), heartbeat (with the
+--     relay's scoped pauses, paused_scopes) and stop.
 --   outbox_send_budget, outbox_send_budget_lock: with --max-send-rate, --key-limit or
 --     --identity-limit, every send is booked (INSERT) under the lock row (UPDATE; INSERT puts
 --     it back if it is missing); bookings that ended are deleted.
@@ -114,8 +115,8 @@ GRANT INSERT ON :"schema".outbox_attempts, :"schema".outbox_relays, :"schema".ou
     :"schema".outbox_send_budget_lock, :"schema".outbox_events, :"schema".outbox_suppressions,
     :"schema".outbox_intakes, :"schema".outbox_send_slots
     TO :"relay_role";
-GRANT UPDATE (host, pid, started_at, heartbeat_at, state) ON :"schema".outbox_relays
-    TO :"relay_role";
+GRANT UPDATE (host, pid, started_at, heartbeat_at, state, paused_scopes)
+    ON :"schema".outbox_relays TO :"relay_role";
 GRANT UPDATE (id) ON :"schema".outbox_send_budget_lock TO :"relay_role";
 GRANT DELETE ON :"schema".outbox_send_budget, :"schema".outbox_send_slots TO :"relay_role";
 GRANT UPDATE (effect) ON :"schema".outbox_events TO :"relay_role";

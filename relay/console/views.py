@@ -296,7 +296,7 @@ class Pages:
                 "lag": store.read_view(conn, "outbox_lag"),
                 "delivery": ops.read_delivery_summary(conn),
                 "intake": ops.read_event_intake(conn),
-                "relays": store.read_view(conn, "outbox_relay_health"),
+                "relays": _relays(conn),
                 "hourly": ops.read_hourly_outcomes(conn, now=read_database_time(conn)),
             }
 
@@ -456,8 +456,17 @@ class Pages:
         )
 
     async def relays(self, request: Request, session: Session) -> Response:
-        rows = await self.read(lambda conn: store.read_view(conn, "outbox_relay_health"))
-        return self.render(request, "relays.html", session, rows=rows)
+        rows = await self.read(_relays)
+        paused = [r for r in rows if r["pauses"].count or r["pauses"].unreadable]
+        return self.render(request, "relays.html", session, rows=rows, paused=paused)
+
+
+def _relays(conn: sa.Connection) -> list[dict[str, Any]]:
+    """The relays as ``outbox_relay_health`` shows them, each with its scoped pauses
+    (``pauses``, a :class:`relay.store.RelayPauses`) read from its row."""
+    pauses = store.relay_pauses(conn)
+    rows = store.read_view(conn, "outbox_relay_health")
+    return [{**row, "pauses": pauses.get(row["relay_id"], store.RelayPauses())} for row in rows]
 
 
 CHART_HEIGHT = 120  # the overview's chart, in SVG units: 24 hours of two bars each

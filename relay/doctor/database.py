@@ -65,7 +65,11 @@ _RUN_GRANTS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
             "outbox_send_slots",
         )
     ),
-    ("UPDATE", "outbox_relays", ("host", "pid", "started_at", "heartbeat_at", "state")),
+    (
+        "UPDATE",
+        "outbox_relays",
+        ("host", "pid", "started_at", "heartbeat_at", "state", "paused_scopes"),
+    ),
     ("UPDATE", "outbox_send_budget_lock", ("id",)),
     ("DELETE", "outbox_send_budget", None),
     ("DELETE", "outbox_send_slots", None),
