@@ -69,6 +69,7 @@ def create_app(
         Route("/messages/{message_id}/act", pages.page(operator, actions.one), methods=["POST"]),
         Route("/actions/preview", pages.page(operator, actions.preview)),
         Route("/actions/apply", pages.page(operator, actions.apply), methods=["POST"]),
+        Route("/actions/jobs/{token}", pages.page(operator, actions.job)),
         Route("/suppressions", pages.page(viewer, pages.suppressions)),
         Route("/suppressions/add", pages.page(operator, actions.suppress), methods=["POST"]),
         Route("/suppressions/remove", pages.page(operator, actions.suppress), methods=["POST"]),

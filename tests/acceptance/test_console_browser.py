@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -24,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount, Route
 
-from outbox.schema import messages, relays
-from relay.console import Auth, Role, UsersFile, add_user, create_app
+from outbox.schema import messages, operator_actions, relays
+from relay.console import Auth, Role, UsersFile, actions, add_user, create_app
 from tests.support.browser import LiveServer, chromium, screenshot, wait_until
 from tests.support.factories import email, enqueue
 from tests.support.relays import RELAY
@@ -246,11 +247,71 @@ def test_a_bulk_requeue_through_its_preview(backend, console):
         screenshot(driver, "console-preview")
         driver.find_element(By.ID, "reason").send_keys("SES sandbox lifted")
         driver.find_element(By.ID, "apply").click()
+        # the apply answers with its job's page, which reloads itself until the job ends
         wait_until(driver, lambda d: d.find_elements(By.ID, "outcome"), message="the outcome")
+        assert "/outbox/actions/jobs/" in driver.current_url
         assert driver.find_element(By.ID, "outcome").text == "requeued 5 message(s)"
     with backend.engine.connect() as conn:
         got = dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
     assert [got[i] for i in ids] == ["pending"] * 8
+
+
+def test_a_bulk_resolve_as_not_delivered_through_its_preview_and_its_job_page(
+    backend, console, monkeypatch
+):
+    """The job is held after its first message (the ``job_step`` seam), so the page is seen
+    running, reloading itself, before it reaches its outcome."""
+    reached, go = threading.Event(), threading.Event()
+
+    def hold(job: actions.Job) -> None:
+        if not reached.is_set():
+            reached.set()
+            go.wait(30)
+
+    monkeypatch.setattr(actions, "job_step", hold)
+    ids = enqueue(backend.engine, 6, short=True, prefix="receipt")
+    with backend.engine.begin() as conn:
+        conn.execute(
+            sa.update(messages).where(messages.c.id.in_(ids[:4])).values(status="unknown_outcome")
+        )
+        conn.execute(sa.update(messages).where(messages.c.id.in_(ids[4:])).values(status="sent"))
+    base = f"{console.url}/outbox"
+    try:
+        with chromium() as driver:
+            log_in(driver, base, "olga@example.com")
+            driver.get(f"{base}/messages?key=receipt:*")
+            driver.find_element(By.ID, "bulk-resolve-not-delivered").click()
+            wait_until(driver, lambda d: d.find_elements(By.ID, "preview"), message="the preview")
+            assert driver.find_element(By.ID, "matched").text == "6"
+            assert driver.find_element(By.ID, "chosen").text == "4"
+            skipped = driver.find_element(By.CSS_SELECTOR, '#skipped tr[data-status="sent"]')
+            assert skipped.text == "2 sent already sent"
+            driver.find_element(By.ID, "reason").send_keys("SES says they bounced")
+            driver.find_element(By.ID, "apply").click()
+            wait_until(driver, lambda d: d.find_elements(By.ID, "running"), message="the job")
+            assert reached.wait(10)
+            wait_until(
+                driver,
+                lambda d: (
+                    d.find_element(By.ID, "progress").text == "resolved 1 of 4 message(s)\u2026"
+                ),
+                message="the partial count",
+            )
+            go.set()
+            wait_until(
+                driver, lambda d: d.find_elements(By.ID, "outcome"), message="the page reloaded"
+            )
+            assert driver.find_element(By.ID, "outcome").text == (
+                "resolved 4 message(s) as not delivered (requeued)"
+            )
+            assert driver.find_element(By.ID, "progress").text == "resolved 4 of 4 message(s)"
+    finally:
+        go.set()
+    with backend.engine.connect() as conn:
+        got = dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
+        actors = conn.execute(sa.select(operator_actions.c.actor, operator_actions.c.action)).all()
+    assert [got[i] for i in ids] == ["pending"] * 4 + ["sent"] * 2
+    assert sorted(tuple(a) for a in actors) == [("olga@example.com", "resolve_not_delivered")] * 4
 
 
 def test_a_viewer_is_offered_no_action_and_refused_one(backend, console):

@@ -20,11 +20,19 @@ from outbox.schema import messages, operator_actions, suppressions
 from relay.cli import main
 from relay.console import Auth, Role, UsersFile, add_user, create_app, remove_user
 from relay.console.guard import CONTENT_SECURITY_POLICY, SESSION_COOKIE
+from tests.support.console import (
+    CSRF,
+    HIDDEN,
+    NONCE,
+    OUTCOME,
+    PASSWORD,
+    SAME,
+    client,
+    csrf_of,
+    finished_job,
+    login,
+)
 from tests.support.factories import email, enqueue
-
-PASSWORD = "correct horse battery"
-NONCE = re.compile(r'name="nonce" value="([^"]+)"')
-CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 
 
 @pytest.fixture
@@ -33,22 +41,6 @@ def users(tmp_path: Path) -> Path:
     add_user(path, "olga@example.com", Role.OPERATOR, PASSWORD)
     add_user(path, "vic", Role.VIEWER, PASSWORD)
     return path
-
-
-def client(engine: sa.Engine, users: Path, **kw: object) -> TestClient:
-    app = create_app(engine, auth=Auth(users_file=UsersFile(users)), secure_cookies=False, **kw)  # type: ignore[arg-type]
-    return TestClient(app, base_url="http://console.test", follow_redirects=False)
-
-
-def login(c: TestClient, name: str, password: str = PASSWORD) -> object:
-    page = c.get("/login")
-    nonce = NONCE.search(page.text)
-    assert nonce is not None, page.text
-    return c.post(
-        "/login",
-        data={"name": name, "password": password, "nonce": nonce.group(1)},
-        headers={"Sec-Fetch-Site": "same-origin"},
-    )
 
 
 def test_it_will_not_start_without_an_authentication_source(engine, tmp_path):
@@ -275,16 +267,6 @@ def test_a_trusted_header_is_believed_only_from_the_named_proxies(engine):
 # -- actions -------------------------------------------------------------------------------
 
 
-def csrf_of(c: TestClient, path: str) -> str:
-    token = CSRF.search(c.get(path).text)
-    assert token is not None
-    return token.group(1)
-
-
-SAME = {"Sec-Fetch-Site": "same-origin"}
-HIDDEN = re.compile(r'<input type="hidden" name="([^"]+)" value="([^"]*)"')
-
-
 def action_form(c: TestClient, mid: int, action: str) -> dict[str, str]:
     """The hidden fields of the message page's form for ``action``."""
     page = c.get(f"/messages/{mid}").text
@@ -372,9 +354,10 @@ def test_a_bulk_cancel_previews_then_changes_only_what_it_previewed(engine, user
     assert re.search(r'id="sending">2<', preview.text)
     late = enqueue(engine, 1, short=True, key="promo:late")  # matches only after the preview
     form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', preview.text))
-    done = c.post("/actions/apply", data={**form, "reason": "campaign withdrawn"}, headers=SAME)
+    started = c.post("/actions/apply", data={**form, "reason": "campaign withdrawn"}, headers=SAME)
+    done = finished_job(c, started)
     assert done.status_code == 200, done.text
-    assert "cancelled 10 message(s)" in done.text
+    assert OUTCOME.findall(done.text) == ["cancelled 10 message(s)"]
     with engine.connect() as conn:
         got = dict(conn.execute(sa.select(messages.c.id, messages.c.status)).all())
     assert [got[i] for i in ids] == ["processing"] * 2 + ["cancelled"] * 10
@@ -781,7 +764,7 @@ def test_a_bulk_apply_changes_exactly_what_its_preview_counted_and_only_once(eng
             .where(messages.c.id.in_([ids[3], ids[0]]))
             .values(status="unknown_outcome", updated_at=later)
         )
-    done = c.post("/actions/apply", data=form, headers=SAME)
+    done = finished_job(c, c.post("/actions/apply", data=form, headers=SAME))
     assert done.status_code == 200, done.text
     assert "requeued 2 message(s) (1 moved meanwhile" in done.text
     with engine.connect() as conn:
