@@ -1,11 +1,14 @@
 """The ``suppressions`` commands: ``list``, ``add``, ``remove``, and ``import`` of the SES
 account suppression list. Every add and remove is written to the operators' log in the
-transaction of the change."""
+transaction of the change. ``add_manual``, ``remove`` and ``import_from_ses`` are the
+commands' work without their output: the console runs them too."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
@@ -24,7 +27,10 @@ from relay.recipients import address_key
 from relay.store import operator as ops
 
 __all__ = [
+    "Imported",
+    "SesBounds",
     "add_manual",
+    "import_from_ses",
     "remove",
     "suppressions_",
     "suppressions_add",
@@ -234,14 +240,78 @@ def suppressions_remove(
     click.echo(f"removed {len(keyed)} address(es) from the suppressions")
 
 
-def _ses_suppressed() -> list[tuple[str, str]]:
+@dataclass(frozen=True, slots=True)
+class SesBounds:
+    """How long an import waits on SES: each request's connect and read timeouts (seconds),
+    its attempts in all (botocore's standard retry mode: a throttled page backs off and is
+    asked again), and ``total``, the seconds the whole listing may take (checked before
+    each page; None: no limit)."""
+
+    connect: float
+    read: float
+    attempts: int
+    total: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Imported:
+    """What an import of the SES account suppression list did, or would do (``dry_run``)."""
+
+    dry_run: bool
+    listed: int  # the entries SES listed
+    added: tuple[str, ...]  # the addresses added (a dry run: that would be), keyed
+    already: int  # listed addresses suppressed already: left as they are
+    skipped: tuple[str, ...]  # listed entries that are not email addresses, quoted
+
+    @property
+    def summary(self) -> str:
+        """The command's line: ``SES lists N address(es): added M, K already suppressed``."""
+        verb = "would add" if self.dry_run else "added"
+        return (
+            f"SES lists {self.listed} address(es): {verb} {len(self.added)}, "
+            f"{self.already} already suppressed"
+        )
+
+
+def import_from_ses(
+    engine: sa.Engine, *, actor: str, dry_run: bool, bounds: SesBounds | None = None
+) -> Imported:
+    """Add the SES account suppression list to the suppressions (reason ses, detail BOUNCE or
+    COMPLAINT), only the addresses not suppressed already, ``CHANGE_BATCH`` per transaction
+    with their log rows under ``actor``; ``dry_run`` counts and adds nothing. The command's
+    and the console's. ``bounds``: how long to wait on SES (None: botocore's defaults).
+    Refuses (:class:`click.ClickException`, one line), adding nothing, when boto3, a region
+    or credentials are missing or SES cannot be read."""
+    listed = _ses_suppressed(bounds)
+    wanted: dict[str, str] = {}
+    refused: list[str] = []
+    for address, why in listed:
+        try:
+            wanted.setdefault(_suppressed_address(address), why)
+        except InvalidEmail:
+            refused.append(repr(address))
+    keyed = list(wanted)
+    added: list[str] = []
+    for start in range(0, len(keyed), CHANGE_BATCH):
+        added += _import_batch(engine, keyed[start : start + CHANGE_BATCH], wanted, actor, dry_run)
+    return Imported(
+        dry_run=dry_run,
+        listed=len(listed),
+        added=tuple(added),
+        already=len(keyed) - len(added),
+        skipped=tuple(refused),
+    )
+
+
+def _ses_suppressed(bounds: SesBounds | None) -> list[tuple[str, str]]:
     """Every (address, SES reason) of the SES account suppression list, page by page, through
     an SES v2 client from boto3's standard chain (region, credentials,
     ``AWS_ENDPOINT_URL_SESV2``), ``AWS_REGION`` read as the relay reads it. boto3 is imported
     here: it is the ``ses`` extra, and the other commands run without it."""
     try:
         import boto3
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
     except ImportError:
         raise click.ClickException(
             "importing from SES needs boto3: pip install 'sqlalchemy-outbox[ses]'"
@@ -251,16 +321,36 @@ def _ses_suppressed() -> list[tuple[str, str]]:
         session = boto3.session.Session(region_name=os.environ["AWS_REGION"])
     if not session.region_name:
         raise click.ClickException("no AWS region configured (AWS_REGION or AWS_DEFAULT_REGION)")
+    config = None
+    if bounds is not None:
+        config = Config(
+            connect_timeout=bounds.connect,
+            read_timeout=bounds.read,
+            retries={"total_max_attempts": bounds.attempts, "mode": "standard"},
+        )
     try:
-        return _pages(session.client("sesv2"))
+        return _pages(session.client("sesv2", config=config), bounds)
+    except NoCredentialsError:
+        raise click.ClickException(
+            "no AWS credentials found (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or a role)"
+        ) from None
     except (BotoCoreError, ClientError) as exc:
         raise click.ClickException(f"SES: {first_line(exc)}") from None
 
 
-def _pages(client: Any) -> list[tuple[str, str]]:
+def _pages(client: Any, bounds: SesBounds | None = None) -> list[tuple[str, str]]:
     listed: list[tuple[str, str]] = []
     token: str | None = None
+    total = bounds.total if bounds is not None else None
+    until = None if total is None else time.monotonic() + total
     while True:
+        if token and until is not None and time.monotonic() > until:
+            # a page at a time keeps the wait bounded; a list this long is the command's job
+            raise click.ClickException(
+                f"SES: the list took over {total:g} s to read ({len(listed)} address(es) so "
+                "far): import it with outbox-relay suppressions import"
+            )
         page = client.list_suppressed_destinations(
             PageSize=_SES_PAGE, **({"NextToken": token} if token else {})
         )
@@ -285,22 +375,9 @@ def suppressions_import(database_url: str, actor: str, dry_run: bool, as_json: b
     action ses:ListSuppressedDestinations. Writes CHANGE_BATCH addresses per transaction, so
     an interrupted import goes on when run again."""
     with options.database(database_url) as engine:
-        listed = _ses_suppressed()
-        wanted: dict[str, str] = {}
-        refused: list[str] = []
-        for address, why in listed:
-            try:
-                wanted.setdefault(_suppressed_address(address), why)
-            except InvalidEmail:
-                refused.append(repr(address))
-        keyed = list(wanted)
-        added: list[str] = []
-        for start in range(0, len(keyed), CHANGE_BATCH):
-            added += _import_batch(
-                engine, keyed[start : start + CHANGE_BATCH], wanted, actor, dry_run
-            )
-    if refused:
-        click.echo(f"skipped, not email addresses: {some(refused)}", err=True)
+        done = import_from_ses(engine, actor=actor, dry_run=dry_run)
+    if done.skipped:
+        click.echo(f"skipped, not email addresses: {some(done.skipped)}", err=True)
     key = "would_add" if dry_run else "added"
     if as_json:
         click.echo(
@@ -308,27 +385,24 @@ def suppressions_import(database_url: str, actor: str, dry_run: bool, as_json: b
                 {
                     "command": "suppressions import",
                     "dry_run": dry_run,
-                    "listed": len(listed),
-                    key: len(added),
-                    f"{key}_addresses": added,
-                    "already": len(keyed) - len(added),
-                    "skipped": len(refused),
+                    "listed": done.listed,
+                    key: len(done.added),
+                    f"{key}_addresses": list(done.added),
+                    "already": done.already,
+                    "skipped": len(done.skipped),
                 }
             )
         )
         return
-    verb = "would add" if dry_run else "added"
-    click.echo(
-        f"SES lists {len(listed)} address(es): {verb} {len(added)}, "
-        f"{len(keyed) - len(added)} already suppressed"
-    )
+    click.echo(done.summary)
 
 
 def _import_batch(
     engine: sa.Engine, batch: Sequence[str], why: dict[str, str], actor: str, dry_run: bool
 ) -> list[str]:
     """One transaction of an import: the batch's addresses not yet suppressed, added. An
-    address the event intake suppressed meanwhile (a duplicate key) makes it try once more."""
+    address suppressed meanwhile by the event intake or an operator (a duplicate key) makes
+    it try once more."""
     for attempt in range(2):
         try:
             with engine.begin() as conn:

@@ -20,6 +20,7 @@ from starlette.staticfiles import StaticFiles
 from outbox.exceptions import ConfigurationError
 from relay.console.actions import Actions
 from relay.console.guard import Auth, LoginThrottle, SecurityHeaders, Sessions
+from relay.console.ses_import import SesImport
 from relay.console.users import Role, User, UsersFile, add_user, remove_user
 from relay.console.views import HERE, Pages
 
@@ -56,6 +57,7 @@ def create_app(
     sessions = Sessions(secret_key or secrets.token_bytes(32), auth, secure=secure_cookies)
     pages = Pages(engine, sessions, LoginThrottle())
     actions = Actions(pages)
+    ses = SesImport(actions)
     viewer, operator = Role.VIEWER, Role.OPERATOR
     routes = [
         Route("/login", pages.login_form, methods=["GET"]),
@@ -73,6 +75,8 @@ def create_app(
         Route("/suppressions", pages.page(viewer, pages.suppressions)),
         Route("/suppressions/add", pages.page(operator, actions.suppress), methods=["POST"]),
         Route("/suppressions/remove", pages.page(operator, actions.suppress), methods=["POST"]),
+        Route("/suppressions/import/preview", pages.page(operator, ses.preview), methods=["POST"]),
+        Route("/suppressions/import", pages.page(operator, ses.apply), methods=["POST"]),
         Route("/relays", pages.page(viewer, pages.relays)),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]

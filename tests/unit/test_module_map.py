@@ -45,6 +45,7 @@ COMMAND_LINE = (
     "relay.console.live",
     "relay.console.masking",
     "relay.console.sanitize",
+    "relay.console.ses_import",
     "relay.console.users",
     "relay.console.views",
 )
