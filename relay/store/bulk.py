@@ -4,12 +4,14 @@ guarded bulk ``requeue`` and ``cancel``."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.compiler import compiles
 
 from outbox.schema import Status, attempts, messages
 from relay.store.finalize import _requeued_values
@@ -17,6 +19,7 @@ from relay.store.finalize import _requeued_values
 __all__ = [
     "CANCELLABLE",
     "REQUEUEABLE",
+    "SAFE_READ",
     "Filter",
     "bodies_dropped",
     "cancel",
@@ -161,13 +164,82 @@ def list_messages(
 ) -> list[Any]:
     """One page of messages matching ``f``, by id (keyset paging: ids after ``after_id``,
     before ``before_id``), oldest first or newest first."""
-    order = _m.c.id.desc() if newest_first else _m.c.id
-    stmt = sa.select(*_LIST_COLUMNS).where(*_where(f)).order_by(order).limit(limit)
+    keyset = []
     if after_id is not None:
-        stmt = stmt.where(_m.c.id > after_id)
+        keyset.append(_m.c.id > after_id)
     if before_id is not None:
-        stmt = stmt.where(_m.c.id < before_id)
+        keyset.append(_m.c.id < before_id)
+    where = [*_where(f), *keyset]
+    ordered: sa.ColumnElement[int] = _m.c.id
+    if _matches_first(conn, f, keyset, limit=limit, newest_first=newest_first):
+        ordered = _m.c.id + 0  # not the primary key's order: the planner reads matches first
+    order = ordered.desc() if newest_first else ordered
+    stmt = sa.select(*_LIST_COLUMNS).where(*where).order_by(order).limit(limit)
     return list(conn.execute(stmt).all())
+
+
+SAFE_READ = 50_000  # rows a page may read through a key or date index, whatever else is known
+
+
+class _Explain(sa.sql.expression.Executable, sa.sql.expression.ClauseElement):
+    """``EXPLAIN (FORMAT JSON)`` of a statement, its parameters bound as the statement's."""
+
+    inherit_cache = False
+
+    def __init__(self, stmt: sa.Select[Any]) -> None:
+        self.stmt = stmt
+
+
+@compiles(_Explain, "postgresql")
+def _compile_explain(element: _Explain, compiler: Any, **kw: Any) -> str:
+    return "EXPLAIN (FORMAT JSON) " + str(compiler.process(element.stmt, **kw))
+
+
+def _estimate(conn: sa.Connection, where: Sequence[sa.ColumnElement[bool]]) -> float:
+    """The planner's estimate of the rows meeting ``where``: one EXPLAIN, nothing read."""
+    plan = conn.execute(_Explain(sa.select(sa.literal(1)).select_from(_m).where(*where)))
+    found = plan.scalar_one()
+    found = json.loads(found) if isinstance(found, str) else found
+    return max(float(found[0]["Plan"]["Plan Rows"]), 1.0)
+
+
+def _matches_first(
+    conn: sa.Connection,
+    f: Filter,
+    keyset: Sequence[sa.ColumnElement[bool]],
+    *,
+    limit: int,
+    newest_first: bool,
+) -> bool:
+    """PostgreSQL: whether a page of ``f`` should read its matches through the key's or
+    created_at's index and sort them, rather than walk the primary key and test each row.
+
+    The planner prices the walk as if matches were spread evenly over the ids, but a date
+    range or a key prefix (``order-42*``) picks rows that sit together, often far from the
+    newest: the walk then reads every row in between. So the two are priced here, from the
+    planner's estimates: reading the matches costs the rows the key or date index yields; the
+    walk costs the rows it passes before the range's edge, then ``limit`` matches at the
+    range's density. A read of at most :data:`SAFE_READ` rows is taken whatever the walk
+    would cost, as a key prefix's rows may gather anywhere. docs/design.md, "The console's
+    messages page"."""
+    if conn.dialect.name != "postgresql" or (
+        f.key is None and f.created_after is None and f.created_before is None
+    ):
+        return False
+    ranged = _where(Filter(created_after=f.created_after, created_before=f.created_before))
+    keyed = _where(Filter(key=f.key)) if f.key is not None else []
+    reads = [_estimate(conn, [*keyset, *c]) for c in (keyed, ranged) if c]
+    read = min(reads)
+    if read <= SAFE_READ:
+        return True
+    edge = f.created_before if newest_first else f.created_after
+    passed = 0.0
+    if edge is not None:
+        beyond = _m.c.created_at >= edge if newest_first else _m.c.created_at < edge
+        passed = _estimate(conn, [*keyset, beyond])
+    span = _estimate(conn, [*keyset, *ranged])
+    walk = passed + limit * span / _estimate(conn, [*keyset, *_where(f)])
+    return read < walk
 
 
 def count_messages(conn: sa.Connection, f: Filter) -> int:

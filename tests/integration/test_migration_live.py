@@ -10,23 +10,20 @@ import io
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from alembic import command
 
-from outbox import Category, Email, migrations
-from outbox.enqueue import build_row
+from outbox import migrations
 from outbox.schema import Status, attempts, messages
 from tests.support.db import fresh_database
+from tests.support.migrating import T0, Holder, Writer, old_row
 
 BEFORE = "outbox_0004"
 NEW_COLUMNS = {"body_dropped_at"}
-T0 = datetime(2026, 11, 1, tzinfo=UTC)
 MIGRATION = Path(migrations.__file__).parent / "_migrations/versions/0005_outbox_body_retention.py"
 
 
@@ -36,20 +33,6 @@ def old_url(backend, tmp_path) -> Iterator[str]:
     with fresh_database(backend, tmp_path, "live") as url:
         migrations.upgrade(url, BEFORE)
         yield url
-
-
-def old_row(i: int, status: str) -> dict[str, Any]:
-    """A row as the app wrote it before the upgrade (no new column)."""
-    row = build_row(
-        Email(sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"S{i}", text="t"),
-        key=f"live-{i}",
-        category=Category(name="default"),
-        priority=0,
-        not_before=T0,
-        expires_at=None,
-        now=T0,
-    )
-    return {**row, "status": status, "updated_at": T0 - timedelta(days=20)}
 
 
 def columns(conn: sa.Connection) -> list[str]:
@@ -83,46 +66,6 @@ def test_rows_in_every_status_come_through_the_upgrade_unchanged(backend, old_ur
         migrations.upgrade(engine)
     finally:
         engine.dispose()
-
-
-class Holder:
-    """A long transaction that has read outbox_messages: it holds the table (PostgreSQL's
-    ACCESS SHARE, MariaDB's metadata lock) until it ends, as a report or a slow request
-    would."""
-
-    def __init__(self, engine: sa.Engine) -> None:
-        self.conn = engine.connect()
-        self.tx = self.conn.begin()
-        self.conn.execute(sa.text("SELECT COUNT(*) FROM outbox_messages")).scalar_one()
-
-    def end(self) -> None:
-        self.tx.rollback()
-        self.conn.close()
-
-
-class Writer(threading.Thread):
-    """The app: one insert after another, each its own transaction, timing each."""
-
-    def __init__(self, engine: sa.Engine) -> None:
-        super().__init__(daemon=True)
-        self.engine = engine
-        self.waits: list[float] = []
-        self.stop = threading.Event()
-        self.errors: list[BaseException] = []
-
-    def run(self) -> None:
-        i = 1000
-        while not self.stop.is_set():
-            i += 1
-            began = time.monotonic()
-            try:
-                with self.engine.begin() as conn:
-                    conn.execute(sa.insert(messages).values(old_row(i, "pending")))
-            except BaseException as exc:  # reported by the test
-                self.errors.append(exc)
-                return
-            self.waits.append(time.monotonic() - began)
-            time.sleep(0.02)
 
 
 def _load_migration() -> ModuleType:

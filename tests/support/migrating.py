@@ -1,0 +1,73 @@
+"""What the live-upgrade tests share: a row as the app wrote it, a long transaction that
+holds the table, and the app's writer timing each insert while a migration runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox import Category, Email
+from outbox.enqueue import build_row
+from outbox.schema import messages
+
+__all__ = ["T0", "Holder", "Writer", "old_row"]
+
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+def old_row(i: int, status: str) -> dict[str, Any]:
+    """A row as the app wrote it before the upgrade (no new column)."""
+    row = build_row(
+        Email(sender="shop@example.com", to=[f"c{i}@example.com"], subject=f"S{i}", text="t"),
+        key=f"live-{i}",
+        category=Category(name="default"),
+        priority=0,
+        not_before=T0,
+        expires_at=None,
+        now=T0,
+    )
+    return {**row, "status": status, "updated_at": T0 - timedelta(days=20)}
+
+
+class Holder:
+    """A long transaction that has read outbox_messages: it holds the table (PostgreSQL's
+    ACCESS SHARE, MariaDB's metadata lock) until it ends, as a report or a slow request
+    would."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.conn = engine.connect()
+        self.tx = self.conn.begin()
+        self.conn.execute(sa.text("SELECT COUNT(*) FROM outbox_messages")).scalar_one()
+
+    def end(self) -> None:
+        self.tx.rollback()
+        self.conn.close()
+
+
+class Writer(threading.Thread):
+    """The app: one insert after another, each its own transaction, timing each."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        super().__init__(daemon=True)
+        self.engine = engine
+        self.waits: list[float] = []
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def run(self) -> None:
+        i = 1000
+        while not self.stop.is_set():
+            i += 1
+            began = time.monotonic()
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(sa.insert(messages).values(old_row(i, "pending")))
+            except BaseException as exc:  # reported by the test
+                self.errors.append(exc)
+                return
+            self.waits.append(time.monotonic() - began)
+            time.sleep(0.02)
