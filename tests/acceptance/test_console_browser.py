@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount, Route
 
 from outbox.schema import messages, operator_actions, relays
+from relay import store
 from relay.console import Auth, Role, UsersFile, actions, add_user, create_app
 from tests.support.browser import LiveServer, chromium, screenshot, wait_until
 from tests.support.factories import email, enqueue
@@ -94,6 +95,12 @@ def test_an_operator_logs_in_filters_pages_and_reads_a_timeline(backend, console
             relays.insert().values(
                 relay_id="relay-a", host="worker-1", pid=4242, started_at=now, heartbeat_at=now,
                 state="running",
+                paused_scopes=store.pauses_text([
+                    store.PausedScope(
+                        kind="identity", name="promo@example.com", code="AccessDenied",
+                        since=now - timedelta(minutes=3), until=now + timedelta(seconds=40),
+                    )
+                ]),
             )
         )  # fmt: skip
     base = f"{console.url}/outbox"
@@ -112,6 +119,7 @@ def test_an_operator_logs_in_filters_pages_and_reads_a_timeline(backend, console
         driver.find_element(By.LINK_TEXT, "Relays").click()
         wait_until(driver, lambda d: d.find_elements(By.ID, "relays"), message="the relays")
         assert "relay-a" in driver.find_element(By.ID, "relays").text
+        assert "promo@example.com" in driver.find_element(By.TAG_NAME, "main").text
         screenshot(driver, "console-relays")
         driver.find_element(By.LINK_TEXT, "Suppressions").click()
         driver.find_element(By.ID, "addresses").send_keys("bounced@example.com")
@@ -297,6 +305,7 @@ def test_a_bulk_resolve_as_not_delivered_through_its_preview_and_its_job_page(
                 ),
                 message="the partial count",
             )
+            screenshot(driver, "console-job")
             go.set()
             wait_until(
                 driver, lambda d: d.find_elements(By.ID, "outcome"), message="the page reloaded"
