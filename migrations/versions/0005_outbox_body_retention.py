@@ -13,13 +13,14 @@ have it, and tries again, up to :data:`TRIES` times; MariaDB is told ``ALGORITHM
 it fails rather than copy the table. See docs/design.md, "Body retention".
 """
 
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
+
+from outbox.migrations import _lock_briefly
 
 revision: str = "outbox_0005"
 down_revision: str | Sequence[str] | None = "outbox_0004"
@@ -35,84 +36,14 @@ def _ts() -> sa.types.TypeEngine[datetime]:
     return sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 
 
-def _lock_timed_out(exc: sa.exc.DBAPIError) -> bool:
-    """PostgreSQL's lock_not_available (lock_timeout) or MariaDB's lock wait timeout (1205)."""
-    orig = exc.orig
-    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    args = getattr(orig, "args", ())
-    return code == "55P03" or bool(args and args[0] == 1205)
-
-
 def _briefly(bind: sa.Connection, change: Callable[[], None], *, offline: bool = False) -> None:
-    """Run ``change`` holding its lock only a moment: retried while a transaction holds the
-    table (the app's writes go on in between); an error naming the table after the last try.
-    Offline (``alembic upgrade --sql``) the script gets the same bound, without the retries."""
-    dialect = bind.dialect.name
-    if dialect not in ("postgresql", "mysql", "mariadb"):
-        change()
-        return
-    if offline:
-        if dialect == "postgresql":
-            op.execute(f"SET LOCAL lock_timeout = '{LOCK_WAIT}s'")  # the script's transaction
-            change()
-            op.execute("SET LOCAL lock_timeout = DEFAULT")
-        else:
-            op.execute("SET @outbox_lock_wait = @@SESSION.lock_wait_timeout")
-            op.execute(f"SET SESSION lock_wait_timeout = {LOCK_WAIT}")
-            change()
-            op.execute("SET SESSION lock_wait_timeout = @outbox_lock_wait")
-        return
-    if dialect == "postgresql":
-        before = bind.exec_driver_sql("SHOW lock_timeout").scalar_one()
-    else:
-        before = bind.exec_driver_sql("SELECT @@SESSION.lock_wait_timeout").scalar_one()
-    for attempt in range(1, TRIES + 1):
-        try:
-            if dialect == "postgresql" and not _autocommit(bind):
-                # a timed-out try rolls back to its savepoint, SET LOCAL with it
-                with bind.begin_nested():
-                    bind.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}s'")
-                    change()
-                    bind.execute(
-                        sa.text("SELECT set_config('lock_timeout', :v, true)"), {"v": before}
-                    )
-            elif dialect == "postgresql":
-                # autocommit: a transaction of its own, so the bound goes with the change
-                # even through a pooler that hands each statement another server session
-                bind.exec_driver_sql("BEGIN")
-                try:
-                    bind.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}s'")
-                    change()
-                except BaseException:
-                    bind.exec_driver_sql("ROLLBACK")
-                    raise
-                bind.exec_driver_sql("COMMIT")
-            else:  # MariaDB: its DDL commits by itself
-                bind.exec_driver_sql(f"SET SESSION lock_wait_timeout = {LOCK_WAIT}")
-                try:
-                    change()
-                finally:
-                    bind.exec_driver_sql(f"SET SESSION lock_wait_timeout = {int(before)}")
-            return
-        except sa.exc.DBAPIError as exc:
-            if not _lock_timed_out(exc):
-                raise
-            if attempt == TRIES:
-                raise _held(attempt) from exc
-        time.sleep(PAUSE)
-
-
-def _autocommit(bind: sa.Connection) -> bool:
-    """Whether the driver commits each statement (no transaction, so no savepoint)."""
-    return bool(getattr(bind.connection.dbapi_connection, "autocommit", False))
-
-
-def _held(tries: int) -> Exception:
-    return RuntimeError(
-        f"outbox_0005: could not lock outbox_messages for a moment in {tries} tries: a "
-        "long transaction keeps reading or writing it; end it (pg_stat_activity, SHOW "
-        "PROCESSLIST) and run the upgrade again"
-    )
+    """Run ``change`` holding outbox_messages's lock only a moment (retried while a transaction
+    holds the table; an error naming it after the last try): ``outbox.migrations``'
+    ``_lock_briefly``, with this revision's bounds, read when called."""
+    _lock_briefly(
+        bind, change, table="outbox_messages", revision=revision, offline=offline, tries=TRIES,
+        lock_wait=LOCK_WAIT, pause=PAUSE,
+    )  # fmt: skip
 
 
 def upgrade() -> None:

@@ -26,40 +26,32 @@ outbox_0005's do. A key index a failed concurrent build left invalid is refused:
 guard the key.
 """
 
-import importlib.util
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+
+from outbox.migrations import _in_autocommit, _lock_briefly
 
 revision: str = "outbox_0007"
 down_revision: str | Sequence[str] | None = "outbox_0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+TRIES = 120  # each waits up to LOCK_WAIT, then a pause: about four minutes in all
+LOCK_WAIT = 1  # seconds a statement may make the app's writes wait behind it
+PAUSE = 1.0  # seconds between tries, while the app's writes go through
 KEY_INDEX = "ix_outbox_messages_idempotency_key"
 DATE_INDEX = "ix_outbox_messages_created_at"
 CONSTRAINT = "uq_outbox_messages_idempotency_key"
 
 
-def _online() -> Any:
-    """outbox_0005's lock-bounded runner (``_briefly``: each try waits a second for its lock,
-    the app's writes go through between tries) and its ``_autocommit``, loaded from its file
-    as alembic loads it: one implementation for every revision that locks the table."""
-    path = Path(__file__).with_name("0005_outbox_body_retention.py")
-    spec = importlib.util.spec_from_file_location("outbox_0005_online", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _briefly(bind: sa.Connection, statement: str) -> None:
-    change: Callable[[], None] = lambda: op.execute(statement)  # noqa: E731
-    _online()._briefly(bind, change, offline=op.get_context().as_sql)
+    """Run ``statement`` holding the table's lock only a moment, as outbox_0005 does."""
+    _lock_briefly(
+        bind, lambda: op.execute(statement), table="outbox_messages", revision=revision,
+        offline=op.get_context().as_sql, tries=TRIES, lock_wait=LOCK_WAIT, pause=PAUSE,
+    )  # fmt: skip
 
 
 def _check_key_index(bind: sa.Connection) -> None:
@@ -92,7 +84,7 @@ def upgrade() -> None:
         f"INDEX {{}}IF NOT EXISTS {DATE_INDEX} ON outbox_messages USING brin (created_at)",
     )
     drop = f"ALTER TABLE outbox_messages DROP CONSTRAINT IF EXISTS {CONSTRAINT}"
-    if not offline and _online()._autocommit(bind):
+    if not offline and _in_autocommit(bind):
         for build in builds:
             op.execute("CREATE " + build.format("CONCURRENTLY "))  # the app writes on
         _check_key_index(bind)
@@ -112,7 +104,7 @@ def downgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name != "postgresql":
         return
-    if op.get_context().as_sql or not _online()._autocommit(bind):
+    if op.get_context().as_sql or not _in_autocommit(bind):
         _briefly(bind, "LOCK TABLE outbox_messages IN ACCESS EXCLUSIVE MODE")  # as upgrade
     for statement in (
         f"ALTER TABLE outbox_messages ADD CONSTRAINT {CONSTRAINT} UNIQUE (idempotency_key)",
