@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
-from outbox.migrations import _lock_briefly
+from outbox.lockwait import lock_briefly
 
 revision: str = "outbox_0005"
 down_revision: str | Sequence[str] | None = "outbox_0004"
@@ -40,7 +40,7 @@ def _briefly(bind: sa.Connection, change: Callable[[], None], *, offline: bool =
     """Run ``change`` holding outbox_messages's lock only a moment (retried while a transaction
     holds the table; an error naming it after the last try): ``outbox.migrations``'
     ``_lock_briefly``, with this revision's bounds, read when called."""
-    _lock_briefly(
+    lock_briefly(
         bind, change, table="outbox_messages", revision=revision, offline=offline, tries=TRIES,
         lock_wait=LOCK_WAIT, pause=PAUSE,
     )  # fmt: skip

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from outbox.migrations import _lock_briefly
+from outbox.lockwait import lock_briefly
 
 revision: str = "outbox_0006"
 down_revision: str | Sequence[str] | None = "outbox_0005"
@@ -45,7 +45,7 @@ def _briefly(bind: sa.Connection, change: Callable[[], None], *, offline: bool =
     """Run ``change`` holding outbox_relays's lock only a moment (retried while a transaction
     holds the table; an error naming it after the last try): ``outbox.migrations``'
     ``_lock_briefly``, with this revision's bounds, read when called."""
-    _lock_briefly(
+    lock_briefly(
         bind, change, table="outbox_relays", revision=revision, offline=offline, tries=TRIES,
         lock_wait=LOCK_WAIT, pause=PAUSE,
     )  # fmt: skip

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from outbox.migrations import _in_autocommit, _lock_briefly
+from outbox.lockwait import in_autocommit, lock_briefly
 
 revision: str = "outbox_0007"
 down_revision: str | Sequence[str] | None = "outbox_0006"
@@ -48,7 +48,7 @@ CONSTRAINT = "uq_outbox_messages_idempotency_key"
 
 def _briefly(bind: sa.Connection, statement: str) -> None:
     """Run ``statement`` holding the table's lock only a moment, as outbox_0005 does."""
-    _lock_briefly(
+    lock_briefly(
         bind, lambda: op.execute(statement), table="outbox_messages", revision=revision,
         offline=op.get_context().as_sql, tries=TRIES, lock_wait=LOCK_WAIT, pause=PAUSE,
     )  # fmt: skip
@@ -84,7 +84,7 @@ def upgrade() -> None:
         f"INDEX {{}}IF NOT EXISTS {DATE_INDEX} ON outbox_messages USING brin (created_at)",
     )
     drop = f"ALTER TABLE outbox_messages DROP CONSTRAINT IF EXISTS {CONSTRAINT}"
-    if not offline and _in_autocommit(bind):
+    if not offline and in_autocommit(bind):
         for build in builds:
             op.execute("CREATE " + build.format("CONCURRENTLY "))  # the app writes on
         _check_key_index(bind)
@@ -104,7 +104,7 @@ def downgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name != "postgresql":
         return
-    if op.get_context().as_sql or not _in_autocommit(bind):
+    if op.get_context().as_sql or not in_autocommit(bind):
         _briefly(bind, "LOCK TABLE outbox_messages IN ACCESS EXCLUSIVE MODE")  # as upgrade
     for statement in (
         f"ALTER TABLE outbox_messages ADD CONSTRAINT {CONSTRAINT} UNIQUE (idempotency_key)",
