@@ -20,6 +20,7 @@ from outbox import migrations
 from outbox.schema import RelayState, relays
 from relay import store
 from tests.support.db import fresh_database
+from tests.support.migrating import Holder, Writer
 
 BEFORE, AFTER = "outbox_0005", "outbox_0006"
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -97,47 +98,12 @@ def test_the_relays_rows_come_through_the_upgrade_and_the_downgrade(backend, old
         engine.dispose()
 
 
-class Holder:
-    """A long transaction that has read outbox_relays (a report, a console page): it holds the
-    table (PostgreSQL's ACCESS SHARE, MariaDB's metadata lock) until it ends."""
-
-    def __init__(self, engine: sa.Engine) -> None:
-        self.conn = engine.connect()
-        self.tx = self.conn.begin()
-        self.conn.execute(sa.text("SELECT COUNT(*) FROM outbox_relays")).scalar_one()
-
-    def end(self) -> None:
-        self.tx.rollback()
-        self.conn.close()
-
-
-class Beater(threading.Thread):
-    """A relay: one heartbeat after another on its row, each its own transaction, timing each
-    (only the columns both revisions have)."""
-
-    def __init__(self, engine: sa.Engine) -> None:
-        super().__init__(daemon=True)
-        self.engine = engine
-        self.waits: list[float] = []
-        self.stop = threading.Event()
-        self.errors: list[BaseException] = []
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            began = time.monotonic()
-            try:
-                with self.engine.begin() as conn:
-                    conn.execute(
-                        sa.text(
-                            "UPDATE outbox_relays SET heartbeat_at = :now WHERE relay_id = 'r'"
-                        ),
-                        {"now": datetime.now(UTC).replace(tzinfo=None)},
-                    )
-            except BaseException as exc:  # reported by the test
-                self.errors.append(exc)
-                return
-            self.waits.append(time.monotonic() - began)
-            time.sleep(0.02)
+def _beat(conn: sa.Connection, _i: int) -> None:
+    """A relay's heartbeat on its row (only the columns both revisions have)."""
+    conn.execute(
+        sa.text("UPDATE outbox_relays SET heartbeat_at = :now WHERE relay_id = 'r'"),
+        {"now": datetime.now(UTC).replace(tzinfo=None)},
+    )
 
 
 @pytest.mark.parametrize("direction", ["upgrade", "downgrade"])
@@ -159,10 +125,10 @@ def test_the_change_waits_out_a_long_transaction_without_stopping_the_heartbeats
                     ),
                     {"t": T0.replace(tzinfo=None)},
                 )
-            beater = Beater(engine)
+            beater = Writer(engine, _beat)
             beater.start()
             time.sleep(0.3)
-            holder = Holder(engine)
+            holder = Holder(engine, "outbox_relays")
             timer = threading.Timer(HELD, holder.end)
             timer.start()
             began = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -38,22 +39,30 @@ class Holder:
     ACCESS SHARE, MariaDB's metadata lock) until it ends, as a report or a slow request
     would."""
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, table: str = "outbox_messages") -> None:
         self.conn = engine.connect()
         self.tx = self.conn.begin()
-        self.conn.execute(sa.text("SELECT COUNT(*) FROM outbox_messages")).scalar_one()
+        self.conn.execute(sa.text(f"SELECT COUNT(*) FROM {table}")).scalar_one()
 
     def end(self) -> None:
         self.tx.rollback()
         self.conn.close()
 
 
-class Writer(threading.Thread):
-    """The app: one insert after another, each its own transaction, timing each."""
+def _insert(conn: sa.Connection, i: int) -> None:
+    conn.execute(sa.insert(messages).values(old_row(i, "pending")))
 
-    def __init__(self, engine: sa.Engine) -> None:
+
+class Writer(threading.Thread):
+    """The app: one write after another (``write(conn, i)``; by default an insert of a
+    message), each its own transaction, timing each."""
+
+    def __init__(
+        self, engine: sa.Engine, write: Callable[[sa.Connection, int], None] = _insert
+    ) -> None:
         super().__init__(daemon=True)
         self.engine = engine
+        self.write = write
         self.waits: list[float] = []
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
@@ -65,7 +74,7 @@ class Writer(threading.Thread):
             began = time.monotonic()
             try:
                 with self.engine.begin() as conn:
-                    conn.execute(sa.insert(messages).values(old_row(i, "pending")))
+                    self.write(conn, i)
             except BaseException as exc:  # reported by the test
                 self.errors.append(exc)
                 return
