@@ -11,19 +11,15 @@ rows: the console's messages page at a million rows (docs/design.md, "The consol
 messages page"). Both cost the send path almost nothing: the key is written once, and a
 BRIN index of rows that come in time order is a few pages that a new row rarely changes.
 
-On a big live table, build the two indexes first without blocking writes, then upgrade; the
-upgrade finds them and only swaps the constraint, a moment's lock::
-
-    CREATE UNIQUE INDEX CONCURRENTLY ix_outbox_messages_idempotency_key
-        ON outbox_messages (idempotency_key varchar_pattern_ops);
-    CREATE INDEX CONCURRENTLY ix_outbox_messages_created_at
-        ON outbox_messages USING brin (created_at);
-
-An upgrade run without a transaction (autocommit) builds them concurrently itself; inside a
-transaction it builds them as it goes, which holds the app's writes for the build. Every
-statement that locks the table waits at most a second for its lock and tries again, as
-outbox_0005's do. A key index a failed concurrent build left invalid is refused: it would not
-guard the key.
+The key's index is built under the table's lock (a second a try to take it, so the upgrade
+never queues the app's writes behind a reader): the app's writes wait for the build, about
+2 s a million rows. It is never built concurrently: while a unique index is being built,
+every insert checks it but ON CONFLICT does not arbitrate on it yet, so two enqueues of one
+key would raise instead of one being swallowed. The BRIN index may be built beforehand with
+``CREATE INDEX CONCURRENTLY ix_outbox_messages_created_at ON outbox_messages USING brin
+(created_at)``; an upgrade run in autocommit builds it so itself. A key index of the name
+found already is kept only if it is a valid unique index of the table on the key alone
+(checked in SQL, so an offline script refuses too).
 """
 
 from collections.abc import Sequence
@@ -46,69 +42,79 @@ DATE_INDEX = "ix_outbox_messages_created_at"
 CONSTRAINT = "uq_outbox_messages_idempotency_key"
 
 
-def _briefly(bind: sa.Connection, statement: str) -> None:
-    """Run ``statement`` holding the table's lock only a moment, as outbox_0005 does."""
-    lock_briefly(
-        bind, lambda: op.execute(statement), table="outbox_messages", revision=revision,
-        offline=op.get_context().as_sql, tries=TRIES, lock_wait=LOCK_WAIT, pause=PAUSE,
-    )  # fmt: skip
+# The key index's check, in SQL so an offline script refuses too: the index of that name (in
+# the search_path's schema, as every statement here) is a valid unique index of
+# outbox_messages on idempotency_key alone. A failed concurrent build leaves one invalid; a
+# typo, one on another column or table; either would leave the key unguarded.
+CHECK = f"""DO $$
+BEGIN
+  IF NOT EXISTS (
+    SELECT 1 FROM pg_index i
+    JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+    WHERE i.indexrelid = to_regclass('{KEY_INDEX}')
+      AND i.indrelid = to_regclass('outbox_messages')
+      AND a.attname = 'idempotency_key'
+      AND i.indisvalid AND i.indisready AND i.indisunique AND i.indimmediate
+      AND i.indnatts = 1 AND i.indpred IS NULL AND i.indexprs IS NULL
+  ) THEN
+    RAISE EXCEPTION 'outbox_0007: {KEY_INDEX} is not a valid unique index of '
+      'outbox_messages on idempotency_key alone: DROP INDEX it and run the upgrade again';
+  END IF;
+END $$"""
 
 
-def _check_key_index(bind: sa.Connection) -> None:
-    """Refuse a key index that is not a valid unique index on the key alone."""
-    found = bind.execute(
-        sa.text(
-            "SELECT i.indisvalid, i.indisunique, i.indnatts, i.indpred IS NULL, "
-            "i.indexprs IS NULL FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-            "WHERE c.relname = :name AND c.relnamespace = "
-            "(SELECT relnamespace FROM pg_class WHERE oid = i.indrelid)"
-        ),
-        {"name": KEY_INDEX},
-    ).one_or_none()
-    if found is None or not all(found[:2]) or found[2] != 1 or not all(found[3:]):
-        raise RuntimeError(
-            f"outbox_0007: {KEY_INDEX} is not a valid unique index on idempotency_key alone "
-            "(a concurrent build that failed leaves it invalid): DROP INDEX it and run the "
-            "upgrade again"
-        )
+def _swap(bind: sa.Connection, statements: list[str]) -> None:
+    """``statements`` under the table's lock, taken a second a try; the check's refusal as
+    one line."""
+
+    def change() -> None:
+        op.execute("LOCK TABLE outbox_messages IN ACCESS EXCLUSIVE MODE")
+        for statement in statements:
+            op.execute(statement)
+
+    try:
+        lock_briefly(
+            bind, change, table="outbox_messages", revision=revision,
+            offline=op.get_context().as_sql, tries=TRIES, lock_wait=LOCK_WAIT, pause=PAUSE,
+        )  # fmt: skip
+    except sa.exc.DBAPIError as exc:
+        said = str(exc.orig or exc).strip().splitlines()[0]
+        if "outbox_0007:" not in said:
+            raise
+        raise RuntimeError(said[said.index("outbox_0007:") :]) from None
 
 
 def upgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name != "postgresql":
         return
-    offline = op.get_context().as_sql
-    builds = (
-        f"UNIQUE INDEX {{}}IF NOT EXISTS {KEY_INDEX} "
-        "ON outbox_messages (idempotency_key varchar_pattern_ops)",
-        f"INDEX {{}}IF NOT EXISTS {DATE_INDEX} ON outbox_messages USING brin (created_at)",
+    date = f"INDEX {{}}IF NOT EXISTS {DATE_INDEX} ON outbox_messages USING brin (created_at)"
+    if not op.get_context().as_sql and in_autocommit(bind):
+        op.execute("CREATE " + date.format("CONCURRENTLY "))  # not unique: the app writes on
+    # The key's index is never built concurrently: while a unique index is being built every
+    # insert checks it, but it is no arbiter of ON CONFLICT yet, so two enqueues of one key
+    # would raise instead of one being swallowed. Under the table's lock no insert runs; the
+    # key is guarded by the constraint until the index is, then by both, then by the index.
+    _swap(
+        bind,
+        [
+            f"CREATE UNIQUE INDEX IF NOT EXISTS {KEY_INDEX} "
+            "ON outbox_messages (idempotency_key varchar_pattern_ops)",
+            "CREATE " + date.format(""),
+            CHECK,
+            f"ALTER TABLE outbox_messages DROP CONSTRAINT IF EXISTS {CONSTRAINT}",
+        ],
     )
-    drop = f"ALTER TABLE outbox_messages DROP CONSTRAINT IF EXISTS {CONSTRAINT}"
-    if not offline and in_autocommit(bind):
-        for build in builds:
-            op.execute("CREATE " + build.format("CONCURRENTLY "))  # the app writes on
-        _check_key_index(bind)
-        _briefly(bind, drop)  # the key guarded by both until here: no gap
-        return
-    # In a transaction every lock is kept to its end: take the one the drop needs first, a
-    # second a try, so no build holds the app's writes while the drop waits for a reader.
-    _briefly(bind, "LOCK TABLE outbox_messages IN ACCESS EXCLUSIVE MODE")
-    for build in builds:
-        op.execute("CREATE " + build.format(""))
-    if not offline:
-        _check_key_index(bind)
-    op.execute(drop)
 
 
 def downgrade() -> None:
-    bind = op.get_bind()
-    if bind.dialect.name != "postgresql":
+    if op.get_bind().dialect.name != "postgresql":
         return
-    if op.get_context().as_sql or not in_autocommit(bind):
-        _briefly(bind, "LOCK TABLE outbox_messages IN ACCESS EXCLUSIVE MODE")  # as upgrade
-    for statement in (
-        f"ALTER TABLE outbox_messages ADD CONSTRAINT {CONSTRAINT} UNIQUE (idempotency_key)",
-        f"DROP INDEX IF EXISTS {DATE_INDEX}",
-        f"DROP INDEX IF EXISTS {KEY_INDEX}",
-    ):
-        _briefly(bind, statement)
+    _swap(
+        op.get_bind(),
+        [
+            f"ALTER TABLE outbox_messages ADD CONSTRAINT {CONSTRAINT} UNIQUE (idempotency_key)",
+            f"DROP INDEX IF EXISTS {DATE_INDEX}",
+            f"DROP INDEX IF EXISTS {KEY_INDEX}",
+        ],
+    )

@@ -6,7 +6,7 @@ transaction of its change."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -304,11 +304,16 @@ def resolve_one(
     reason: str | None,
     actor: str,
     unchanged_since: datetime | None = None,
+    only: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """Resolve one message (the command's and the console's): in one transaction, its row
     locked and changed, its attempt row and its log row; refused
     (:class:`click.ClickException`) with nothing changed when its status does not allow it,
-    or (``unchanged_since``: what the console showed) when it changed since."""
+    or (``unchanged_since``: what the console showed) when it changed since, or (``only``:
+    the statuses a bulk resolve chose from) when it is in another status now. ``only`` is
+    read under the row's lock: an ``updated_at`` is the clock of a change's start, so a
+    change that began before the console looked and committed after passes
+    ``unchanged_since``, but not ``only``."""
     with engine.begin() as conn:
         now = read_database_time(conn)
         previous = ops.lock_for_change(conn, [message_id], None, unchanged_since).get(message_id)
@@ -316,6 +321,11 @@ def resolve_one(
             raise click.ClickException(
                 f"message {message_id} changed since you looked at it, or is gone: nothing "
                 "changed; look at it again"
+            )
+        if previous is not None and only is not None and previous not in only:
+            raise click.ClickException(
+                f"message {message_id} is {previous} now, no longer {' or '.join(only)}: "
+                "nothing changed; look at it again"
             )
         if previous is None:
             raise click.ClickException(f"no message with id {message_id}")

@@ -321,13 +321,18 @@ def _run(job: Job, work: Callable[[Job], str]) -> None:
         job.end(outcome, refused=False)
 
 
-def _changed_since(engine: sa.Engine, message_id: int, seen_at: datetime) -> bool:
-    """Whether a message is gone or changed after ``seen_at``: what resolve_one's
-    ``unchanged_since`` guard refuses, told apart from its other refusals."""
+def _changed_since(
+    engine: sa.Engine, message_id: int, seen_at: datetime, allowed: tuple[str, ...]
+) -> bool:
+    """Whether a message is gone, changed after ``seen_at`` or out of the ``allowed``
+    statuses: what resolve_one's ``unchanged_since`` and ``only`` guards refuse, told apart
+    from its other refusals."""
     with engine.connect() as conn:
         found = conn.execute(
             sa.select(messages.c.id).where(
-                messages.c.id == message_id, messages.c.updated_at <= seen_at
+                messages.c.id == message_id,
+                messages.c.updated_at <= seen_at,
+                messages.c.status.in_(allowed),
             )
         ).first()
     return found is None
@@ -609,9 +614,10 @@ def _resolve_work(
                 resolve_one(
                     engine, message_id, delivered=delivered, provider_message_id=None,
                     reason=reason, actor=preview.actor, unchanged_since=preview.seen_at,
+                    only=bulk.allowed,
                 )  # fmt: skip
             except click.ClickException as refused:
-                if _changed_since(engine, message_id, preview.seen_at):
+                if _changed_since(engine, message_id, preview.seen_at, bulk.allowed):
                     moved += 1
                 else:
                     job.skip(message_id, refused.format_message())
