@@ -87,33 +87,33 @@ class Completer:
         item, whether the decision applied."""
         if not batch:
             return []
-        sent = store.finalize_sent_many(
-            conn,
-            [
-                (d.claim.id, d.claim.claim_token, d.decision.provider_message_id)
-                for d in batch
-                if d.decision.action is Action.SENT
-            ],
-            now=now,
-        )
-        applied = [
-            (done.claim.id, done.claim.claim_token) in sent
-            if done.decision.action is Action.SENT
-            else store.apply_decision(conn, done.claim, done.decision, now)
-            for done in batch
+        # the other decisions first, each under its guard: which of them applied decides
+        # their attempt rows, and a sent one's is settled by the statement that moves it
+        others = {
+            k: store.apply_decision(conn, done.claim, done.decision, now)
+            for k, done in enumerate(batch)
+            if done.decision.action is not Action.SENT
+        }
+        items = [
+            (d.claim.id, d.claim.claim_token, d.decision.provider_message_id)
+            for d in batch
+            if d.decision.action is Action.SENT
         ]
-        if not attempts:
-            return applied
-        store.record_attempts(
-            conn,
-            (
-                attempt_record(done, self.relay_id, stale=not ok)
-                for done, ok in zip(batch, applied, strict=True)
-                # a suppressed message whose claim was gone: nothing was sent, nothing moved
-                if ok or done.recorded is None
-            ),
-        )
-        return applied
+        records = [
+            # a sent decision is always a call's (nothing ``recorded``): its row is written
+            # whether its claim held or not, ``stale:`` if not
+            (attempt_record(done, self.relay_id, stale=False), True)
+            if k not in others
+            else (attempt_record(done, self.relay_id, stale=not others[k]), False)
+            for k, done in enumerate(batch)
+            # a suppressed message whose claim was gone: nothing was sent, nothing moved
+            if k not in others or others[k] or done.recorded is None
+        ]
+        sent = store.finalize_sent_recorded(conn, items, records if attempts else [], now=now)
+        return [
+            others.get(k, (done.claim.id, done.claim.claim_token) in sent)
+            for k, done in enumerate(batch)
+        ]
 
     def finalize(self, now: datetime) -> bool:
         """Save the finished sends now, in a transaction of their own (drain, tests)."""

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from outbox.schema import AttemptOutcome, UTCDateTime, attempts
 
-__all__ = ["AttemptRecord", "attempted_by", "record_attempts"]
+__all__ = ["ATTEMPT_FIELDS", "AttemptRecord", "attempted_by", "pg_rows", "record_attempts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,7 +31,7 @@ class AttemptRecord:
     dropped_recipients: str | None = None  # suppressed addresses not sent to, comma-separated
 
 
-_ATTEMPT_FIELDS = (
+ATTEMPT_FIELDS = (
     "message_id",
     "claim_token",
     "relay_id",
@@ -55,11 +55,11 @@ def _pg_attempt_value(index: int, name: str) -> str:
     return f"attempt ->> {index}"
 
 
-# PostgreSQL: the rows as one JSON array of arrays (fields in _ATTEMPT_FIELDS order), so one
+# PostgreSQL: the rows as one JSON array of arrays (fields in ATTEMPT_FIELDS order), so one
 # parameter and one statement text whatever the batch size, dumped by json.dumps
 _INSERT_ATTEMPTS_PG = sa.text(
-    f"INSERT INTO {attempts.name} ({', '.join(_ATTEMPT_FIELDS)}) SELECT "
-    + ", ".join(_pg_attempt_value(k, name) for k, name in enumerate(_ATTEMPT_FIELDS))
+    f"INSERT INTO {attempts.name} ({', '.join(ATTEMPT_FIELDS)}) SELECT "
+    + ", ".join(_pg_attempt_value(k, name) for k, name in enumerate(ATTEMPT_FIELDS))
     + " FROM json_array_elements(CAST(:a_rows AS JSON)) AS attempt"
 )
 
@@ -74,29 +74,39 @@ def _utc_text(value: datetime | None) -> str | None:
     return value.astimezone(UTC).isoformat()  # an offset with seconds is not ISO 8601 text
 
 
+def pg_rows(records: Iterable[AttemptRecord], stale: Sequence[str | None] = ()) -> str:
+    """The rows as PostgreSQL's statements read them: one JSON array of arrays, fields in
+    ``ATTEMPT_FIELDS`` order, then (when given) the outcome to record instead if the row's
+    claim turns out gone (see ``finalize.finalize_sent_recorded``)."""
+    rows: list[list[object]] = [
+        [
+            r.message_id,
+            r.claim_token,
+            r.relay_id,
+            _utc_text(r.started_at),
+            _utc_text(r.finished_at),
+            r.outcome,
+            r.error_code,
+            r.error_message,
+            r.provider_message_id,
+            r.dropped_recipients,
+        ]
+        for r in records
+    ]
+    for row, instead in zip(rows, stale, strict=False):
+        row.append(instead)
+    return json.dumps(rows)
+
+
 def record_attempts(conn: sa.Connection, records: Iterable[AttemptRecord]) -> None:
     """Append attempt rows, in the finalize's transaction (stale or not): one INSERT on
     PostgreSQL, an executemany elsewhere."""
     if conn.dialect.name == "postgresql":
-        rows = [
-            [
-                r.message_id,
-                r.claim_token,
-                r.relay_id,
-                _utc_text(r.started_at),
-                _utc_text(r.finished_at),
-                r.outcome,
-                r.error_code,
-                r.error_message,
-                r.provider_message_id,
-                r.dropped_recipients,
-            ]
-            for r in records
-        ]
+        rows = list(records)
         if rows:
-            conn.execute(_INSERT_ATTEMPTS_PG, {"a_rows": json.dumps(rows)})
+            conn.execute(_INSERT_ATTEMPTS_PG, {"a_rows": pg_rows(rows)})
         return
-    mapped = [{name: getattr(r, name) for name in _ATTEMPT_FIELDS} for r in records]
+    mapped = [{name: getattr(r, name) for name in ATTEMPT_FIELDS} for r in records]
     if mapped:
         conn.execute(sa.insert(attempts), mapped)
 

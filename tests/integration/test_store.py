@@ -1100,3 +1100,50 @@ def test_finalize_sent_many_tells_which_claim_of_a_repeated_id_applied(engine):
     moved = run(engine, store.finalize_sent_many, items=items, now=at(LEASE + 4))
     assert moved == {(mid, new.claim_token)}
     assert row(engine, mid).provider_message_id == "ses-new"
+
+
+def test_the_sent_save_and_its_attempt_rows_are_one_statement_with_stale_ones_marked(engine):
+    """``finalize_sent_recorded``: the guarded finalize and the attempt rows together (one
+    statement on PostgreSQL); a sent row whose claim is gone is left as it is and its attempt
+    recorded ``stale:accepted``, an unguarded record is written as given, in batch order."""
+    (a,) = enqueue(engine)
+    gone = claim_one(engine, T0)
+    sweep(engine, at(LEASE + 1))  # not started: back to pending, its claim gone
+    (b,) = enqueue(engine)
+    fresh, other = claim(engine, at(LEASE + 2))  # a again, and b, under one new claim
+    assert (gone.id, fresh.id, other.id) == (a, a, b)
+    mark(engine, [fresh, other], at(LEASE + 3))
+    late = at(LEASE + 5)
+
+    def record(claim: store.Claim, outcome: str, provider_id: str | None) -> store.AttemptRecord:
+        return store.AttemptRecord(
+            message_id=claim.id, claim_token=claim.claim_token, relay_id=RELAY,
+            started_at=at(1), finished_at=late, outcome=outcome, provider_message_id=provider_id,
+        )  # fmt: skip
+
+    statements: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    with engine.begin() as conn:
+        moved = store.finalize_sent_recorded(
+            conn,
+            [(gone.id, gone.claim_token, "ses-gone"), (fresh.id, fresh.claim_token, "ses-new")],
+            [
+                (record(gone, "accepted", "ses-gone"), True),
+                (record(other, "transient", None), False),  # its decision applied elsewhere
+                (record(fresh, "accepted", "ses-new"), True),
+            ],
+            now=late,
+        )
+    assert moved == {(fresh.id, fresh.claim_token)}
+    if engine.dialect.name == "postgresql":
+        assert len(statements) == 1, statements
+    assert snapshot(engine, a)["status"] == Status.SENT.value
+    assert snapshot(engine, a)["provider_message_id"] == "ses-new"
+    assert snapshot(engine, b)["status"] == Status.PROCESSING.value  # not in the finalize
+    written = [r for r in attempt_rows(engine) if r.finished_at == late]
+    assert [(r.message_id, r.claim_token, r.outcome, r.provider_message_id) for r in written] == [
+        (gone.id, gone.claim_token, "stale:accepted", "ses-gone"),
+        (other.id, other.claim_token, "transient", None),
+        (fresh.id, fresh.claim_token, "accepted", "ses-new"),
+    ]
+    assert all((r.relay_id, r.started_at) == (RELAY, at(1)) for r in written)
