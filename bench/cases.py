@@ -147,6 +147,7 @@ class Cost:
     transactions: int = 0
     wal_bytes: int | None = None
     wal_bytes_cluster: int | None = None
+    wal_by_record: dict[str, int] = field(default_factory=dict)  # "<relation> <rmgr>/<type>"
     cpu_seconds: float = 0.0
 
     def per(self, n: int) -> dict[str, float | None]:
@@ -197,6 +198,19 @@ WITH r AS (SELECT xid::text AS xid, record_length, coalesce(block_ref, '') AS bl
 SELECT coalesce(sum(record_length), 0) FROM r
 WHERE block_ref ~ :pattern OR xid IN (SELECT xid FROM ours)
 """
+# the same records, by the relation of their first block (a commit has none) and kind
+_WAL_BY_RECORD = """
+WITH r AS (SELECT xid::text AS xid, record_length, coalesce(block_ref, '') AS block_ref,
+                  resource_manager || '/' || record_type AS kind
+           FROM pg_get_wal_records_info(CAST(:start AS pg_lsn), CAST(:end AS pg_lsn))),
+     ours AS (SELECT DISTINCT xid FROM r WHERE block_ref ~ :pattern AND xid <> '0')
+SELECT coalesce(c.relname, CASE WHEN r.block_ref = '' THEN '-' ELSE '?' END) || ' ' || r.kind,
+       sum(r.record_length)
+FROM r LEFT JOIN pg_class c
+  ON c.relfilenode = CAST(nullif(substring(r.block_ref from :first), '') AS oid)
+WHERE r.block_ref ~ :pattern OR r.xid IN (SELECT xid FROM ours)
+GROUP BY 1 ORDER BY 2 DESC
+"""
 
 
 def _wal_bytes(engine: sa.Engine, start: str | None, cost: Cost) -> None:
@@ -237,6 +251,11 @@ def _wal_bytes_between(engine: sa.Engine, start: str, end: str, cost: Cost) -> N
                 {"start": start, "end": end, "pattern": f"rel \\d+/{oid}/"},
             ).scalar_one()
         )
+        where = {"start": start, "end": end, "pattern": f"rel \\d+/{oid}/"}
+        where["first"] = f"rel \\d+/{oid}/(\\d+)"
+        cost.wal_by_record = {
+            str(what): int(size) for what, size in conn.execute(sa.text(_WAL_BY_RECORD), where)
+        }
         conn.commit()
 
 
@@ -395,6 +414,10 @@ def _mean_cost(a: Cost, b: Cost) -> Cost:
         transactions=round((a.transactions + b.transactions) / 2),
         wal_bytes=mid(a.wal_bytes, b.wal_bytes),
         wal_bytes_cluster=mid(a.wal_bytes_cluster, b.wal_bytes_cluster),
+        wal_by_record={
+            k: round(mid(a.wal_by_record.get(k, 0), b.wal_by_record.get(k, 0)))
+            for k in a.wal_by_record.keys() | b.wal_by_record.keys()
+        },
         cpu_seconds=(a.cpu_seconds + b.cpu_seconds) / 2,
     )
 
@@ -568,9 +591,16 @@ def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
             "relay": _per(relay_cost.wal_bytes_cluster, n),
             "pgqueuer": _per(versus.wal_bytes_cluster, n),
         }
-        results.append(
-            cost("WAL bytes/msg", "wal_bytes_per_msg", "B", {"cluster_wide_bytes_per_msg": cluster})
-        )
+        kinds = {"relay": relay_cost, "pgqueuer": versus}
+        by_record = {  # where the bytes go: the largest kinds, bytes per message
+            who: {
+                k: round(v / n, 1)
+                for k, v in sorted(c.wal_by_record.items(), key=lambda kv: -kv[1])[:15]
+            }
+            for who, c in kinds.items()
+        }
+        details = {"cluster_wide_bytes_per_msg": cluster, "by_record_per_msg": by_record}
+        results.append(cost("WAL bytes/msg", "wal_bytes_per_msg", "B", details))
     where = {"relay": "in-process", **({"pgqueuer": "its own process"} if pg else {})}
     results.append(cost("CPU s/1k msgs", "cpu_seconds_per_1000", "s", where, judged=pg))
     return results
