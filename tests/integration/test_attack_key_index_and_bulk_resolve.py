@@ -223,7 +223,7 @@ def test_the_upgrade_runs_in_a_second_schema_of_the_database(postgres_backend, t
                 migrations.upgrade(e, BEFORE)
             migrations.upgrade(engines["tenant_a"])
             migrations.upgrade(engines["tenant_b"])
-            assert migrations.current_heads(engines["tenant_b"])[0] == {"outbox_0007"}
+            assert migrations.current_heads(engines["tenant_b"])[0] == {"outbox_0008"}
         finally:
             for e in engines.values():
                 e.dispose()
