@@ -112,9 +112,13 @@ class Producer:
         try:
             with self._connection.transaction() as conn:
                 applied = completer.save(conn, batch, now)
+                taking: store.Taking | None = None
+                held: list[tuple[store.Claim, float]] = []
                 if limit > 0:
                     began = time.monotonic()
-                    claims, expired = store.claim_batch(
+                    # read and locked; on PostgreSQL written below, with the marks of those
+                    # sent at once: a message sent at once is written once, not twice
+                    taking = store.lock_batch(
                         conn,
                         relay_id=self.relay_id,
                         limit=limit,
@@ -122,17 +126,25 @@ class Producer:
                         lease_seconds=self.config.lease_seconds,
                         skip_keys=self._held_keys(now),
                     )
-                    self._accept(conn, claims, now, pending, invalid)
+                    claims, expired = taking.claims, taking.expired
+                    held = self._accept(claims, now, pending, invalid)
                     if due_before and len(claims) + len(expired) < limit:
                         due_before = self._control.unheld(conn, due_before, now)
                 wave, deferred = self.budget.admit(conn, pending)
                 self._hold_keys(self.budget.retry)
                 admitted = len(wave)
                 taken = {id(r) for r, _ in wave} | {id(r) for r, _ in deferred}
-                self._defer(conn, deferred, now)
                 wave, barred = self.suppressions.screen(conn, wave, now)
+                if taking is not None:
+                    # the claim written (every row it read), before anything in its name
+                    fresh = [r.claim.id for r, _ in wave if r.claim.claim_token == taking.token]
+                    stamped, at = store.take_batch(conn, taking, mark=fresh, now=now)
+                    marked.update(((id_, taking.token), at) for id_ in stamped)
+                self._step_back(conn, held, now)
+                self._defer(conn, deferred, now)
                 barred_applied = completer.save(conn, barred, now)
                 for token, ids in by_token(r.claim for r, _ in wave).items():
+                    ids = [i for i in ids if (i, token) not in marked]
                     stamped, at = store.mark_send_started_at(
                         conn, ids=ids, claim_token=token, now=now
                     )
@@ -183,15 +195,11 @@ class Producer:
         return bool(batch or claims or expired or admitted)
 
     def _accept(
-        self,
-        conn: sa.Connection,
-        claims: list[store.Claim],
-        now: datetime,
-        pending: list[Ready],
-        invalid: list[Done],
-    ) -> None:
+        self, claims: list[store.Claim], now: datetime, pending: list[Ready], invalid: list[Done]
+    ) -> list[tuple[store.Claim, float]]:
         """Queue new claims to be sent (onto ``pending``); a payload that is not an email
-        fails unsent (onto ``invalid``); a paused scope's message steps back in line."""
+        fails unsent (onto ``invalid``); returns those of a paused scope, with how long each
+        waits (:meth:`_step_back` sends them back, once the claim is written)."""
         held: list[tuple[store.Claim, float]] = []
         for claim in claims:
             signals.claimed.send(self._source, message_id=claim.id, category=claim.category)
@@ -220,6 +228,12 @@ class Producer:
                 pending.append(Ready(claim=claim, email=email, probe=probe, trace=trace))
             else:
                 held.append((claim, wait))
+        return held
+
+    def _step_back(
+        self, conn: sa.Connection, held: list[tuple[store.Claim, float]], now: datetime
+    ) -> None:
+        """A paused scope's new claims step back in line until its next probe."""
         for claim, wait in held:
             later = now + timedelta(seconds=wait)
             store.release_unsent(

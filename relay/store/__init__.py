@@ -48,13 +48,16 @@ from relay.store.catalog import OUTBOX_TABLES, missing_tables, read_lag, read_vi
 from relay.store.claims import (
     Claim,
     Expired,
+    Taking,
     claim_batch,
     count_due,
     count_locked_due,
     expire,
     extend_lease,
+    lock_batch,
     mark_send_started,
     mark_send_started_at,
+    take_batch,
 )
 from relay.store.finalize import (
     apply_decision,
@@ -115,6 +118,7 @@ __all__ = [
     "RelayHolder",
     "RelayPauses",
     "StaleLease",
+    "Taking",
     "apply_decision",
     "attempted_by",
     "bodies_dropped",
@@ -136,6 +140,7 @@ __all__ = [
     "hold_unknown",
     "list_messages",
     "live_heartbeats",
+    "lock_batch",
     "lock_send_budget",
     "mark_send_started",
     "mark_send_started_at",
@@ -169,5 +174,6 @@ __all__ = [
     "suppressed_among",
     "sweep_candidates",
     "sweep_expired_leases",
+    "take_batch",
     "take_send_slots",
 ]

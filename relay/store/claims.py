@@ -3,6 +3,7 @@ renewal, and the expiry of rows that were never sent."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import uuid
 from collections.abc import Sequence
@@ -22,13 +23,16 @@ __all__ = [
     "MAX_SKIPPED_KEYS",
     "Claim",
     "Expired",
+    "Taking",
     "claim_batch",
     "count_due",
     "count_locked_due",
     "expire",
     "extend_lease",
+    "lock_batch",
     "mark_send_started",
     "mark_send_started_at",
+    "take_batch",
 ]
 
 _m = messages
@@ -265,6 +269,125 @@ def _id_among(name: str, pg: bool) -> sa.ColumnElement[bool]:
     if pg:
         return _m.c.id == sa.any_(sa.bindparam(name, type_=postgresql.ARRAY(sa.BigInteger)))
     return _m.c.id.in_(sa.bindparam(name, expanding=True))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Taking:
+    """A claim read and locked by :func:`lock_batch`, written by :func:`take_batch` in the
+    same transaction (``written``: already written, off PostgreSQL)."""
+
+    claims: list[Claim]
+    expired: list[Expired]
+    token: str
+    ids: list[int]  # every row locked, the expired among them
+    params: dict[str, Any]
+    written: bool
+
+
+# PostgreSQL: the claim's rows read and locked, nothing written yet; `expired` as the claim's
+# own CASE decides it, from the same parameter
+_EXPIRED = sa.and_(_m.c.expires_at.is_not(None), _m.c.expires_at <= _NOW)
+
+
+@functools.cache
+def _lock_statement(skip: bool) -> sa.Select[Any]:
+    pick = _claim_statements(False, skip).pick
+    return sa.select(*_CLAIM_COLUMNS, _EXPIRED.label("expired")).where(
+        _m.c.id.in_(sa.select(pick.subquery().c.id))
+    )
+
+
+# PostgreSQL: the claim and the send-started mark of the rows sent at once, one write a row.
+# The mark is the later of the relay's now and the database's clock, as mark_send_started_at.
+_TAKE_PG = (
+    sa.update(_m)
+    .where(_id_among("c_ids", True), _CLAIMABLE)
+    .values(
+        status=sa.case((_EXPIRED, Status.EXPIRED.value), else_=Status.PROCESSING.value),
+        claim_token=sa.bindparam("c_token", type_=_m.c.claim_token.type),
+        claimed_by=sa.case(
+            (_EXPIRED, _m.c.claimed_by),
+            else_=sa.bindparam("c_relay", type_=_m.c.claimed_by.type),
+        ),
+        claimed_at=sa.case((_EXPIRED, _m.c.claimed_at), else_=_NOW),
+        lease_expires_at=sa.case(
+            (_EXPIRED, None), else_=sa.bindparam("c_lease", type_=UTCDateTime())
+        ),
+        send_started_at=sa.case(
+            (
+                sa.and_(sa.not_(_EXPIRED), _id_among("c_mark", True)),
+                sa.func.greatest(_NOW, sa.func.statement_timestamp(type_=UTCDateTime())),
+            ),
+            else_=None,
+        ),
+        updated_at=_NOW,
+    )
+    .returning(_m.c.id, _m.c.send_started_at)
+)
+
+
+def lock_batch(
+    conn: sa.Connection,
+    *,
+    relay_id: str,
+    limit: int,
+    now: datetime,
+    lease_seconds: float,
+    skip_keys: Sequence[str] = (),
+) -> Taking:
+    """:func:`claim_batch`'s rows, as it picks them, in two steps of one transaction so that
+    a message sent at once is written once, not claimed and then marked: on PostgreSQL this
+    reads and locks them (``FOR UPDATE SKIP LOCKED``) and writes nothing; the claims it
+    returns hold only once :func:`take_batch` has written them, before anything is done in
+    their name. Elsewhere it is :func:`claim_batch` itself."""
+    if conn.dialect.name != "postgresql":
+        claims, expired = claim_batch(
+            conn, relay_id=relay_id, limit=limit, now=now, lease_seconds=lease_seconds,
+            skip_keys=skip_keys,
+        )  # fmt: skip
+        token = claims[0].claim_token if claims else ""
+        ids = [c.id for c in claims] + [e.id for e in expired]
+        return Taking(claims=claims, expired=expired, token=token, ids=ids, params={}, written=True)
+    token = str(uuid.uuid4())
+    params: dict[str, Any] = {
+        "c_now": now,
+        "c_limit": limit,
+        "c_token": token,
+        "c_relay": relay_id,
+        "c_lease": now + timedelta(seconds=lease_seconds),
+    }
+    skip_keys = list(skip_keys)[:MAX_SKIPPED_KEYS]
+    if skip_keys:
+        params["c_skip"] = skip_keys
+    rows = conn.execute(_lock_statement(bool(skip_keys)), params).all()
+    claims, gone = [], []
+    for row in rows:
+        if row.expired:
+            gone.append(Expired(id=row.id, key=row.idempotency_key, category=row.category))
+            continue
+        claims.append(
+            dataclasses.replace(_claim(row, token, row.payload), lease_expires_at=params["c_lease"])
+        )
+    claims.sort(key=lambda c: (c.priority, c.fair_at, c.id))
+    ids = [row.id for row in rows]
+    return Taking(claims=claims, expired=gone, token=token, ids=ids, params=params, written=False)
+
+
+def take_batch(
+    conn: sa.Connection, taking: Taking, *, mark: Sequence[int], now: datetime
+) -> tuple[set[int], datetime]:
+    """Write ``taking``'s claim, and the send-started mark of ``mark`` (some of its claims'
+    ids): one UPDATE on PostgreSQL, where :func:`lock_batch` wrote nothing; elsewhere the
+    claim is written already, and this is :func:`mark_send_started_at`. Returns the ids
+    marked and the mark, as :func:`mark_send_started_at` does."""
+    if taking.written:
+        return mark_send_started_at(conn, ids=mark, claim_token=taking.token, now=now)
+    if not taking.ids:
+        return set(), now
+    params = {**taking.params, "c_ids": taking.ids, "c_mark": list(mark)}
+    rows = conn.execute(_TAKE_PG, params).all()
+    stamped = {row.id: row.send_started_at for row in rows if row.send_started_at is not None}
+    return set(stamped), next(iter(stamped.values()), now)
 
 
 @functools.cache

@@ -1147,3 +1147,82 @@ def test_the_sent_save_and_its_attempt_rows_are_one_statement_with_stale_ones_ma
         (fresh.id, fresh.claim_token, "accepted", "ses-new"),
     ]
     assert all((r.relay_id, r.started_at) == (RELAY, at(1)) for r in written)
+
+
+def _lock(conn: sa.Connection, relay_id: str, limit: int, now: datetime = T0) -> store.Taking:
+    return store.lock_batch(conn, relay_id=relay_id, limit=limit, now=now, lease_seconds=LEASE)
+
+
+def test_a_claim_and_the_mark_of_its_sends_are_one_write_of_each_row(engine):
+    """``lock_batch`` then ``take_batch``: the rows end as the claim and the mark leave them,
+    the mark on the ones named only; on PostgreSQL each row is written once (the claim's
+    lock reads, the take writes), where ``claim_batch`` and the mark wrote marked rows twice."""
+    ids = enqueue(engine, 3)
+    with engine.begin() as conn:
+        taking = _lock(conn, RELAY, 10)
+        assert [c.id for c in taking.claims] == ids
+        assert taking.expired == []
+        assert {c.claim_token for c in taking.claims} == {taking.token}
+        assert {c.lease_expires_at for c in taking.claims} == {at(LEASE)}
+        stamped, stamp = store.take_batch(conn, taking, mark=ids[:2], now=T0)
+        if engine.dialect.name == "postgresql":
+            assert not taking.written
+            writes = conn.execute(
+                sa.text(
+                    "SELECT n_tup_upd FROM pg_stat_xact_user_tables "
+                    "WHERE relname = 'outbox_messages'"
+                )
+            ).scalar_one()
+            assert writes == 3
+    assert stamped == set(ids[:2])
+    assert stamp >= T0
+    for mid in ids:
+        got = snapshot(engine, mid)
+        assert (got["status"], got["claim_token"], got["claimed_by"]) == (
+            Status.PROCESSING.value, taking.token, RELAY,
+        )  # fmt: skip
+        assert got["lease_expires_at"] == at(LEASE)
+        assert got["send_started_at"] == (stamp if mid in ids[:2] else None)
+
+
+def test_a_claim_read_and_rolled_back_leaves_its_rows_untouched(engine):
+    ids = enqueue(engine, 2)
+    before = [snapshot(engine, mid) for mid in ids]
+    with engine.connect() as conn, conn.begin() as tx:
+        taking = _lock(conn, RELAY, 10)
+        assert [c.id for c in taking.claims] == ids
+        tx.rollback()
+    assert [snapshot(engine, mid) for mid in ids] == before
+    assert [c.id for c in claim(engine, T0)] == ids  # still there to claim
+
+
+def test_a_due_row_past_its_expiry_is_expired_by_the_take_and_never_marked(engine):
+    (gone,) = enqueue(engine, expires_at=at(1))
+    (kept,) = enqueue(engine)
+    with engine.begin() as conn:
+        taking = _lock(conn, RELAY, 10, now=at(2))
+        assert [e.id for e in taking.expired] == [gone]
+        assert [c.id for c in taking.claims] == [kept]
+        stamped, _stamp = store.take_batch(conn, taking, mark=[gone, kept], now=at(2))
+    assert stamped == {kept}
+    assert snapshot(engine, gone)["status"] == Status.EXPIRED.value
+    assert snapshot(engine, gone)["send_started_at"] is None
+    assert snapshot(engine, kept)["status"] == Status.PROCESSING.value
+
+
+def test_rows_a_claim_has_read_but_not_yet_written_are_skipped_by_another(
+    server_backend, racing_engine
+):
+    """Between ``lock_batch`` and ``take_batch`` the rows are locked: another relay's claim
+    skips them (and never waits), and they are this claim's once it commits."""
+    ids = enqueue(server_backend.engine, 4)
+    with racing_engine.connect() as one, racing_engine.connect() as two:
+        held = one.begin()
+        taking = _lock(one, "relay-a", 2)
+        with two.begin():
+            second = _claim_on(two, "relay-b", 10)
+        store.take_batch(one, taking, mark=[c.id for c in taking.claims], now=T0)
+        held.commit()
+    assert [c.id for c in taking.claims] == ids[:2]
+    assert [c.id for c in second] == ids[2:]
+    _assert_claimed_once(server_backend.engine, taking.claims + second, ids)
