@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from bench.db import EMAIL, ORDERS, analyze, base_payload, count, fill, reset, url_string
 from bench.senders import AcceptingSender
-from outbox import Outbox
+from outbox import Email, Outbox
 from outbox.schema import Status, messages, utcnow
 from outbox.sqlite import enable_savepoints
 from relay import store
@@ -371,12 +371,12 @@ def _db_span_rate(engine: sa.Engine, n: int) -> float:
 PEER_BATCH = 50
 
 
-def _pgqueuer(engine: sa.Engine, n: int) -> dict[str, Any]:
+def _pgqueuer(engine: sa.Engine, n: int, email: Email = EMAIL) -> dict[str, Any]:
     """pgqueuer (batch ``PEER_BATCH``) draining ``n`` jobs in a process of its own on this
     database: its rate, statements, WAL bytes of this database and CPU seconds."""
     dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     with tempfile.NamedTemporaryFile(suffix=".json") as payload:
-        payload.write(base_payload())
+        payload.write(base_payload(email))
         payload.flush()
         proc = subprocess.run(
             [
@@ -604,6 +604,65 @@ def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
     where = {"relay": "in-process", **({"pgqueuer": "its own process"} if pg else {})}
     results.append(cost("CPU s/1k msgs", "cpu_seconds_per_1000", "s", where, judged=pg))
     return results
+
+
+def drain_email(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    """The drain's per-message cost with a real email in each row instead of the short one:
+    a shop's shipping notice (about 10 KB of templated HTML and its text part, no
+    attachment; PostgreSQL compresses it and keeps it out of the row, in TOAST), the same
+    payload for pgqueuer's jobs. PostgreSQL only (the peer runs there)."""
+    if not _pg(engine):
+        return []
+    from bench.retention import shipping_notice
+
+    n, email = max(1000, sizes.drain // 2), shipping_notice()
+    reset(engine)
+    fill(engine, n, prefix="drain", email=email)
+    config = _relay_config(
+        engine, concurrency=DRAIN_CONCURRENCY, batch_size=50, exit_when_idle=True,
+        poll_interval=0.1,
+    )  # fmt: skip
+    relay = Relay(engine=engine, sender=AcceptingSender(), config=config)
+    relay_cost = Cost()
+    wal = _wal_lsn(engine)
+    with _Counting(engine, relay_cost):
+        cpu, began = time.process_time(), time.perf_counter()
+        relay.run()
+        rate = n / (time.perf_counter() - began)
+        relay_cost.cpu_seconds = time.process_time() - cpu
+    _wal_bytes(engine, wal, relay_cost)
+    _check_all_sent(engine, n)
+    peer = _pgqueuer(engine, n, email)
+    mine, theirs = relay_cost.per(n), peer["cost"].per(n)
+    payload = len(base_payload(email))
+    by_record = {
+        who: {
+            k: round(v / n, 1)
+            for k, v in sorted(c.wal_by_record.items(), key=lambda kv: -kv[1])[:12]
+        }
+        for who, c in (("relay", relay_cost), ("pgqueuer", peer["cost"]))
+    }
+    details = {"messages": n, "payload_bytes": payload, "wal_by_record_per_msg": by_record}
+    rows = [
+        ("drain, email", rate, peer["rate"], "msg/s"),
+        ("statements/msg, email", mine["statements_per_msg"], theirs["statements_per_msg"], "stmt"),
+        ("WAL bytes/msg, email", mine["wal_bytes_per_msg"], theirs["wal_bytes_per_msg"], "B"),
+        ("CPU s/1k msgs, email", mine["cpu_seconds_per_1000"], theirs["cpu_seconds_per_1000"], "s"),
+    ]
+    return [
+        Result(
+            benchmark=f"{name} vs pgqueuer",
+            database=db,
+            value=value or 0.0,
+            baseline=baseline or 0.0,
+            unit=unit,
+            ratio=_ratio(value, baseline),
+            target="(reported)",
+            met=None,
+            details=details,
+        )
+        for name, value, baseline, unit in rows
+    ]
 
 
 def _ratio(value: float | None, baseline: float | None) -> float:

@@ -117,10 +117,10 @@ def analyze(engine: sa.Engine) -> None:
             conn.execute(sa.text("ANALYZE"))
 
 
-def _base_row(status: str, age: timedelta) -> dict[str, Any]:
+def _base_row(status: str, age: timedelta, email: Email = EMAIL) -> dict[str, Any]:
     outbox = Outbox()
     row = build_row(
-        EMAIL,
+        email,
         key="template",
         category=outbox.categories[outbox.default_category],
         priority=0,
@@ -132,9 +132,9 @@ def _base_row(status: str, age: timedelta) -> dict[str, Any]:
     return row
 
 
-def base_payload() -> bytes:
+def base_payload(email: Email = EMAIL) -> bytes:
     """The payload every benchmark row stores, as JSON bytes: what the peer's jobs carry."""
-    return json.dumps(_base_row("pending", timedelta(0))["payload"]).encode()
+    return json.dumps(_base_row("pending", timedelta(0), email)["payload"]).encode()
 
 
 def count(engine: sa.Engine, status: str | None = None) -> int:
@@ -145,11 +145,13 @@ def count(engine: sa.Engine, status: str | None = None) -> int:
         return int(conn.execute(stmt).scalar_one())
 
 
-def fill(engine: sa.Engine, n: int, *, prefix: str, status: str = "pending") -> None:
+def fill(
+    engine: sa.Engine, n: int, *, prefix: str, status: str = "pending", email: Email = EMAIL
+) -> None:
     """Insert ``n`` due rows of ``status`` as ``Outbox.enqueue`` writes them: up to one chunk
     by executemany of copies of one built row, then by doubling (INSERT ... SELECT) when more
     are needed. Keys are ``prefix-...``, distinct."""
-    base = _base_row(status, timedelta(minutes=5))
+    base = _base_row(status, timedelta(minutes=5), email)
     first = min(n, _CHUNK)
     with engine.begin() as conn:
         rows = [{**base, "idempotency_key": f"{prefix}-{i}"} for i in range(first)]

@@ -26,7 +26,7 @@ from outbox import Attachment, Email, Outbox
 from outbox.enqueue import build_row
 from outbox.schema import AttemptOutcome, Status, UTCDateTime, attempts, messages, utcnow
 
-__all__ = ["retention"]
+__all__ = ["retention", "shipping_notice"]
 
 m = messages
 TARGET = 250.0  # bytes per sent message, messages table with its indexes, PostgreSQL (issue)
@@ -105,6 +105,14 @@ def _email(rng: random.Random) -> Email:
         configuration_set="transactional",
         tags={"kind": "order_shipped"},
     )
+
+
+def shipping_notice() -> Email:
+    """One of :func:`_email`'s notices without an attachment, the same every run."""
+    rng = random.Random(20261206)
+    while (email := _email(rng)).attachments:
+        pass
+    return email
 
 
 def _pdf(rng: random.Random, order: str) -> Attachment:

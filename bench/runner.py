@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.cases import CASES as CORE_CASES
-from bench.cases import Result, Sizes
+from bench.cases import Result, Sizes, drain_email
 from bench.console import console
 from bench.db import prepare
 from bench.retention import retention
@@ -26,7 +26,10 @@ from bench.soak import soak
 __all__ = ["CASES", "format_table", "machine", "main"]
 
 # The benchmarks by name; the storage ones live in modules of their own.
-CASES = {**CORE_CASES, "soak": soak, "retention": retention, "console": console}
+CASES = {
+    **CORE_CASES, "soak": soak, "retention": retention, "console": console,
+    "drain-email": drain_email,
+}  # fmt: skip
 
 
 def machine() -> dict[str, Any]:
@@ -96,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help=f"comma-separated subset of {','.join(CASES)} (default: all but soak, retention "
-        "and console, which take long)",
+        help=f"comma-separated subset of {','.join(CASES)} (default: all but soak, retention, "
+        "console and drain-email, which take long)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
