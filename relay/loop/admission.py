@@ -76,6 +76,7 @@ class BudgetFilter:
         self.limits = limits or Limits()
         self.retry: dict[str, datetime] = {}  # scopes at their limit this pass -> look again
         self.kept = 0  # claims the last pass kept in the queue for a send slot
+        self._prune_before: datetime | None = None  # the pass's prune, due (see prune)
 
     def admissible(self, ready: list[Ready]) -> bool:
         return bool(ready) and self.limiter.available() >= 1
@@ -87,7 +88,7 @@ class BudgetFilter:
         shared = self.limiter.rate
         if shared is None and not self.limits:
             return [(r, None) for r in ready], []
-        self.retry, self.kept = {}, 0
+        self.retry, self.kept, self._prune_before = {}, 0, None
         if not ready or self.limiter.available() < 1:
             return [], []
         store.lock_send_budget(conn)
@@ -121,11 +122,19 @@ class BudgetFilter:
         for scope, bookings in by_scope.items():
             store.book_sends(conn, relay_id=self.relay_id, bookings=bookings, scope=scope)
         store.take_send_slots(conn, slots=slots, now=now)
-        if (cutoff := self.limiter.prune_due(now)) is not None:
+        self._prune_before = self.limiter.prune_due(now)
+        return wave, deferred
+
+    def prune(self, conn: sa.Connection) -> None:
+        """Once a second, in the pass's transaction (under the lock :meth:`admit` took): the
+        bookings past the budget's window, and the slots no longer held. Called once the
+        pass's claims are written: a slot of a claim not written yet (PostgreSQL's claim is
+        written after the filters) would look unheld and be deleted as it is taken."""
+        cutoff, self._prune_before = self._prune_before, None
+        if cutoff is not None:
             store.prune_send_budget(conn, before=cutoff)
             if self.limits:
                 store.prune_send_slots(conn)
-        return wave, deferred
 
     def _send(self, ready: Ready, shared: float | None) -> ScopedSend:
         """``ready`` as the budgets see it: its recipients, its budgets and its caps."""

@@ -140,6 +140,7 @@ class Producer:
                     fresh = [r.claim.id for r, _ in wave if r.claim.claim_token == taking.token]
                     stamped, at = store.take_batch(conn, taking, mark=fresh, now=now)
                     marked.update(((id_, taking.token), at) for id_ in stamped)
+                self.budget.prune(conn)
                 self._step_back(conn, held, now)
                 self._defer(conn, deferred, now)
                 barred_applied = completer.save(conn, barred, now)
