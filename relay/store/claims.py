@@ -3,7 +3,6 @@ renewal, and the expiry of rows that were never sent."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import uuid
 from collections.abc import Sequence
@@ -108,8 +107,9 @@ def _policy(stored: str, reconcile_after: float | None) -> AmbiguityPolicy:
     return AmbiguityPolicy(stored)
 
 
-def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
-    """A :class:`Claim` from a row read with ``_CLAIM_COLUMNS``."""
+def _claim(row: Any, claim_token: str, payload: Any, lease: datetime | None = None) -> Claim:
+    """A :class:`Claim` from a row read with ``_CLAIM_COLUMNS`` (its lease ``lease`` when the
+    row was read before the claim wrote it)."""
     return Claim(
         id=row.id,
         key=row.idempotency_key,
@@ -124,7 +124,7 @@ def _claim(row: Any, claim_token: str, payload: Any) -> Claim:
         backoff_cap=row.backoff_cap,
         ambiguity_policy=_policy(row.ambiguity_policy, row.reconcile_after),
         next_attempt_at=row.next_attempt_at,
-        lease_expires_at=row.lease_expires_at,
+        lease_expires_at=row.lease_expires_at if lease is None else lease,
         fair_at=row.fair_at,
         fairness_key=row.fairness_key,
     )
@@ -145,6 +145,21 @@ def _literal(status: Status) -> sa.ColumnElement[str]:
 # SQLite uses the partial claim index only if the query repeats its condition with literals;
 # the status equality goes first, or it plans the IN as the range and sorts every due row.
 _CLAIMABLE = _m.c.status.in_([_literal(s) for s in CLAIMABLE])
+# What a claim writes; a due row past its expires_at is moved to expired instead.
+_EXPIRED = sa.and_(_m.c.expires_at.is_not(None), _m.c.expires_at <= _NOW)
+_CLAIM_VALUES: dict[str, Any] = {
+    "status": sa.case((_EXPIRED, Status.EXPIRED.value), else_=Status.PROCESSING.value),
+    "claim_token": sa.bindparam("c_token", type_=_m.c.claim_token.type),
+    "claimed_by": sa.case(
+        (_EXPIRED, _m.c.claimed_by), else_=sa.bindparam("c_relay", type_=_m.c.claimed_by.type)
+    ),
+    "claimed_at": sa.case((_EXPIRED, _m.c.claimed_at), else_=_NOW),
+    "lease_expires_at": sa.case(
+        (_EXPIRED, None), else_=sa.bindparam("c_lease", type_=UTCDateTime())
+    ),
+    "send_started_at": None,
+    "updated_at": _NOW,
+}
 
 
 def _due(status: Status, skip: bool) -> sa.Subquery:
@@ -185,26 +200,8 @@ def _claim_statements(lock_first: bool, skip: bool) -> _ClaimStatements:
         chosen: sa.ColumnElement[bool] = _m.c.id.in_(sa.bindparam("c_ids", expanding=True))
     else:
         chosen = _m.c.id.in_(sa.select(pick.subquery().c.id))
-    token = sa.bindparam("c_token", type_=_m.c.claim_token.type)
-    expired = sa.and_(_m.c.expires_at.is_not(None), _m.c.expires_at <= _NOW)
-    update = (
-        sa.update(_m)
-        .where(chosen)
-        .values(
-            status=sa.case((expired, Status.EXPIRED.value), else_=Status.PROCESSING.value),
-            claim_token=token,
-            claimed_by=sa.case(
-                (expired, _m.c.claimed_by),
-                else_=sa.bindparam("c_relay", type_=_m.c.claimed_by.type),
-            ),
-            claimed_at=sa.case((expired, _m.c.claimed_at), else_=_NOW),
-            lease_expires_at=sa.case(
-                (expired, None), else_=sa.bindparam("c_lease", type_=UTCDateTime())
-            ),
-            send_started_at=None,
-            updated_at=_NOW,
-        )
-    )
+    update = sa.update(_m).where(chosen).values(_CLAIM_VALUES)
+    token = _CLAIM_VALUES["claim_token"]
     read_back = sa.select(*_CLAIM_COLUMNS).where(chosen, _m.c.claim_token == token)
     return _ClaimStatements(
         pick=pick,
@@ -212,6 +209,23 @@ def _claim_statements(lock_first: bool, skip: bool) -> _ClaimStatements:
         update_returning=update.returning(*_CLAIM_COLUMNS),
         read_back=read_back,
     )
+
+
+def _claim_params(
+    relay_id: str, limit: int, now: datetime, lease_seconds: float, skip_keys: Sequence[str]
+) -> tuple[str, dict[str, Any]]:
+    """A fresh claim token, and the claim's parameters under it."""
+    token = str(uuid.uuid4())
+    params: dict[str, Any] = {
+        "c_now": now,
+        "c_limit": limit,
+        "c_token": token,
+        "c_relay": relay_id,
+        "c_lease": now + timedelta(seconds=lease_seconds),
+    }
+    if skip_keys := list(skip_keys)[:MAX_SKIPPED_KEYS]:
+        params["c_skip"] = skip_keys
+    return token, params
 
 
 def claim_batch(
@@ -232,18 +246,8 @@ def claim_batch(
     statement and come back apart: they are never sent. Rows of ``skip_keys`` (keys at their
     limit) are left alone.
     """
-    token = str(uuid.uuid4())
-    params: dict[str, Any] = {
-        "c_now": now,
-        "c_limit": limit,
-        "c_token": token,
-        "c_relay": relay_id,
-        "c_lease": now + timedelta(seconds=lease_seconds),
-    }
-    skip_keys = list(skip_keys)[:MAX_SKIPPED_KEYS]
-    if skip_keys:
-        params["c_skip"] = skip_keys
-    statements = _claim_statements(conn.dialect.name in ("mysql", "mariadb"), bool(skip_keys))
+    token, params = _claim_params(relay_id, limit, now, lease_seconds, skip_keys)
+    statements = _claim_statements(conn.dialect.name in ("mysql", "mariadb"), "c_skip" in params)
     if conn.dialect.name in ("mysql", "mariadb"):
         params["c_ids"] = list(conn.execute(statements.pick, params).scalars())
         if not params["c_ids"]:
@@ -253,12 +257,20 @@ def claim_batch(
     else:
         conn.execute(statements.update, params)
         rows = conn.execute(statements.read_back, params).all()
+    return _claims_of([(row, row.status == Status.EXPIRED.value) for row in rows], token, None)
+
+
+def _claims_of(
+    rows: Sequence[tuple[Any, bool]], token: str, lease: datetime | None
+) -> tuple[list[Claim], list[Expired]]:
+    """The claims among ``rows`` (each with whether it expired), in the claim's order, and
+    the expired ones apart."""
     claims, gone = [], []
-    for row in rows:
-        if row.status == Status.EXPIRED.value:
+    for row, expired in rows:
+        if expired:
             gone.append(Expired(id=row.id, key=row.idempotency_key, category=row.category))
             continue
-        claims.append(_claim(row, token, row.payload))
+        claims.append(_claim(row, token, row.payload, lease))
     claims.sort(key=lambda c: (c.priority, c.fair_at, c.id))
     return claims, gone
 
@@ -286,7 +298,6 @@ class Taking:
 
 # PostgreSQL: the claim's rows read and locked, nothing written yet; `expired` as the claim's
 # own CASE decides it, from the same parameter
-_EXPIRED = sa.and_(_m.c.expires_at.is_not(None), _m.c.expires_at <= _NOW)
 
 
 @functools.cache
@@ -303,24 +314,16 @@ _TAKE_PG = (
     sa.update(_m)
     .where(_id_among("c_ids", True), _CLAIMABLE)
     .values(
-        status=sa.case((_EXPIRED, Status.EXPIRED.value), else_=Status.PROCESSING.value),
-        claim_token=sa.bindparam("c_token", type_=_m.c.claim_token.type),
-        claimed_by=sa.case(
-            (_EXPIRED, _m.c.claimed_by),
-            else_=sa.bindparam("c_relay", type_=_m.c.claimed_by.type),
-        ),
-        claimed_at=sa.case((_EXPIRED, _m.c.claimed_at), else_=_NOW),
-        lease_expires_at=sa.case(
-            (_EXPIRED, None), else_=sa.bindparam("c_lease", type_=UTCDateTime())
-        ),
-        send_started_at=sa.case(
-            (
-                sa.and_(sa.not_(_EXPIRED), _id_among("c_mark", True)),
-                sa.func.greatest(_NOW, sa.func.statement_timestamp(type_=UTCDateTime())),
+        {
+            **_CLAIM_VALUES,
+            "send_started_at": sa.case(
+                (
+                    sa.and_(sa.not_(_EXPIRED), _id_among("c_mark", True)),
+                    sa.func.greatest(_NOW, sa.func.statement_timestamp(type_=UTCDateTime())),
+                ),
+                else_=None,
             ),
-            else_=None,
-        ),
-        updated_at=_NOW,
+        }
     )
     .returning(_m.c.id, _m.c.send_started_at)
 )
@@ -348,27 +351,9 @@ def lock_batch(
         token = claims[0].claim_token if claims else ""
         ids = [c.id for c in claims] + [e.id for e in expired]
         return Taking(claims=claims, expired=expired, token=token, ids=ids, params={}, written=True)
-    token = str(uuid.uuid4())
-    params: dict[str, Any] = {
-        "c_now": now,
-        "c_limit": limit,
-        "c_token": token,
-        "c_relay": relay_id,
-        "c_lease": now + timedelta(seconds=lease_seconds),
-    }
-    skip_keys = list(skip_keys)[:MAX_SKIPPED_KEYS]
-    if skip_keys:
-        params["c_skip"] = skip_keys
-    rows = conn.execute(_lock_statement(bool(skip_keys)), params).all()
-    claims, gone = [], []
-    for row in rows:
-        if row.expired:
-            gone.append(Expired(id=row.id, key=row.idempotency_key, category=row.category))
-            continue
-        claims.append(
-            dataclasses.replace(_claim(row, token, row.payload), lease_expires_at=params["c_lease"])
-        )
-    claims.sort(key=lambda c: (c.priority, c.fair_at, c.id))
+    token, params = _claim_params(relay_id, limit, now, lease_seconds, skip_keys)
+    rows = conn.execute(_lock_statement("c_skip" in params), params).all()
+    claims, gone = _claims_of([(row, row.expired) for row in rows], token, params["c_lease"])
     ids = [row.id for row in rows]
     return Taking(claims=claims, expired=gone, token=token, ids=ids, params=params, written=False)
 
