@@ -89,6 +89,36 @@ def test_bench_runs_and_reports_a_ratio_per_benchmark(backend_name, request, tmp
         assert result["benchmark"] in proc.stdout
 
 
+def test_drain_email_bench_sets_the_relay_against_pgqueuer_with_a_real_email(request, tmp_path):
+    """PostgreSQL: the relay's and pgqueuer's drain with a real email in each row, statements,
+    WAL (with where it goes) and CPU per message; elsewhere the case has nothing to report."""
+    out = tmp_path / "bench.json"
+    proc = _run_bench(
+        "--quick", "--only", "drain-email", "--json", str(out),
+        "--database-url", _bench_url("postgresql", request, tmp_path),
+        "--database-url", _bench_url("sqlite", request, tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    rows = {r["benchmark"]: r for r in report["results"]}
+    assert {r["database"] for r in rows.values()} == {"postgresql"}
+    assert set(rows) == {
+        "drain, email vs pgqueuer",
+        "statements/msg, email vs pgqueuer",
+        "WAL bytes/msg, email vs pgqueuer",
+        "CPU s/1k msgs, email vs pgqueuer",
+    }
+    for row in rows.values():
+        assert row["value"] > 0, row
+        assert row["baseline"] > 0, row
+    details = rows["WAL bytes/msg, email vs pgqueuer"]["details"]
+    assert details["payload_bytes"] > 5000  # a real email, not the drain's short one
+    where = details["wal_by_record_per_msg"]
+    assert any(k.startswith("outbox_messages Heap/UPDATE") for k in where["relay"])
+    assert any(k.startswith("pgqueuer") for k in where["pgqueuer"])
+
+
 @pytest.mark.parametrize("backend_name", ["sqlite", "postgresql", "mysql"])
 def test_fairness_bench_sends_the_small_keys_before_the_big_backlog(
     backend_name, request, tmp_path
