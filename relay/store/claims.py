@@ -310,9 +310,12 @@ def _lock_statement(skip: bool) -> sa.Select[Any]:
 
 # PostgreSQL: the claim and the send-started mark of the rows sent at once, one write a row.
 # The mark is the later of the relay's now and the database's clock, as mark_send_started_at.
+# By id alone: the rows are this transaction's since lock_batch read them claimable, so no
+# status guard is needed, and one (status IN pending, retrying) is the claim index's own
+# predicate, which stale statistics let the planner read whole for 50 ids.
 _TAKE_PG = (
     sa.update(_m)
-    .where(_id_among("c_ids", True), _CLAIMABLE)
+    .where(_id_among("c_ids", True))
     .values(
         {
             **_CLAIM_VALUES,
