@@ -12,6 +12,7 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "READ_COMMITTED",
     "READ_TIMEOUT",
+    "autocommits",
     "blames_the_row",
     "is_outage",
     "make_engine",
@@ -68,6 +69,30 @@ def make_engine(
     options.setdefault("pool_pre_ping", True)
     options.setdefault("pool_recycle", 1800)
     return sa.create_engine(url, **options)
+
+
+def autocommits(conn: sa.Connection) -> bool:
+    """Whether every statement on ``conn`` commits by itself, so a transaction holds no lock
+    from one statement to the next: ``isolation_level="AUTOCOMMIT"`` on the connection or its
+    engine, or autocommit set on the driver's own connection (``connect_args``, an
+    ``init_command``, a sqlite3 ``isolation_level`` of None with nobody emitting BEGIN). The
+    relay's claim reads and locks rows, then writes them: it must not run so. Call it inside
+    a transaction, after a statement."""
+    level = conn.get_execution_options().get("isolation_level")
+    if level is None:
+        level = getattr(conn.dialect, "_on_connect_isolation_level", None)
+    if level == "AUTOCOMMIT":
+        return True
+    raw = conn.connection.dbapi_connection
+    get_autocommit = getattr(raw, "get_autocommit", None)  # PyMySQL, mysqlclient
+    if callable(get_autocommit):
+        return bool(get_autocommit())
+    if getattr(raw, "autocommit", None) is True:  # psycopg, sqlite3 on Python 3.12+
+        return True
+    if conn.dialect.name == "sqlite":
+        driver: Any = conn.connection.driver_connection
+        return driver.isolation_level is None and not driver.in_transaction
+    return False
 
 
 def masked_url(url: str | sa.URL) -> str:

@@ -16,7 +16,7 @@ from outbox.exceptions import ConfigurationError
 from outbox.schema import RelayState
 from relay import store
 from relay.config import RelayConfig
-from relay.db import READ_COMMITTED, masked_url
+from relay.db import READ_COMMITTED, autocommits, masked_url
 from relay.loop.connection import LoopConnection
 from relay.pause import ACCOUNT, Pauses
 from relay.senders import Sender
@@ -57,10 +57,19 @@ class Registry:
         self._last_heartbeat = 0.0
 
     def check_schema(self) -> None:
-        """Refuse a database without every outbox table (never migrated, or migrated by an
-        older release)."""
+        """Refuse an engine in AUTOCOMMIT, and a database without every outbox table (never
+        migrated, or migrated by an older release)."""
         with self._connection.transaction() as conn:
             missing = store.missing_tables(conn)
+            unlocked = autocommits(conn)
+        if unlocked:
+            self._connection.drop()  # run() ends here, before its own cleanup
+            raise ConfigurationError(
+                "engine",
+                "the relay's engine runs in AUTOCOMMIT, so a claim's row locks would end with "
+                "each statement and two relays could take one message; give the relay an "
+                "engine of its own without isolation_level='AUTOCOMMIT'",
+            )
         if missing:
             raise ConfigurationError(
                 "--database-url",

@@ -401,3 +401,21 @@ def test_a_rate_controller_replaced_on_the_relay_is_the_one_throttles_reach(back
     assert sender.called_ids[:1] == [mid]
     assert built_with.factor == 1.0
     assert replaced.factor < 1.0
+
+
+def test_a_relay_given_an_engine_in_autocommit_refuses_to_start_and_sends_nothing(backend):
+    """The claim reads and locks its rows, then writes them, in one transaction: on an engine
+    whose every statement commits by itself the locks would end between the two, and two
+    relays could take one message. ``run`` refuses such an engine in one line naming it."""
+    from outbox.exceptions import ConfigurationError
+
+    (mid,) = enqueue(backend.engine)
+    sender = FakeSender()
+    unlocked = backend.engine.execution_options(isolation_level="AUTOCOMMIT")
+    relay = relay_for(None, sender, engine=unlocked, url=backend.url, exit_when_idle=True)
+    with pytest.raises(ConfigurationError) as refused:
+        relay.run()
+    assert refused.value.setting == "engine"
+    assert "AUTOCOMMIT" in str(refused.value)
+    assert sender.calls == []
+    assert row(backend.engine, mid).status == Status.PENDING.value

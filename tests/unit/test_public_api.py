@@ -86,6 +86,7 @@ EXPORTS = {
         "CONNECT_TIMEOUT",
         "READ_COMMITTED",
         "READ_TIMEOUT",
+        "autocommits",
         "blames_the_row",
         "is_outage",
         "make_engine",
