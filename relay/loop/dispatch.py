@@ -78,7 +78,7 @@ class Dispatch:
             )
             started = time.monotonic()
             lease_ends = started + (claim.lease_expires_at - now).total_seconds()
-            span = tracing.Attempt(message, ready.trace) if tracing.ENABLED else None
+            span = tracing.Attempt(message, ready.trace) if tracing.recording() else None
             send = self._send if span is None else span.run(self._send)
             future = self.pool.submit(send, message, slot, lease_ends)
             self.in_flight[(claim.id, claim.claim_token)] = InFlight(

@@ -163,3 +163,42 @@ def test_a_span_that_cannot_be_queued_never_costs_the_send_its_answer(monkeypatc
     accepted = Accepted(provider_message_id="p-7")
     send = relay_tracing.Attempt(_outgoing(), None).run(lambda: (accepted, 0.01))
     assert send() == (accepted, 0.01)
+
+
+def test_spans_are_made_only_while_a_provider_is_set(monkeypatch):
+    """With OpenTelemetry installed and no provider, every span would be a no-op: the relay
+    makes none (``recording`` is asked at each send and save). A provider set globally, or
+    given with ``use_tracer_provider``, is picked up without a restart; one that cannot be
+    loaded leaves tracing off, logged, and never fails the caller."""
+    from opentelemetry import trace
+
+    assert not relay_tracing.recording()  # this process never sets the global provider
+    provider = TracerProvider()
+    relay_tracing.use_tracer_provider(provider)
+    try:
+        assert relay_tracing.recording()
+    finally:
+        relay_tracing.use_tracer_provider(None)
+    assert not relay_tracing.recording()
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)  # set globally
+    assert relay_tracing.recording()
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: trace.NoOpTracerProvider())
+    assert not relay_tracing.recording()
+
+    def unloadable():
+        raise ValueError("no provider named 'nonesuch'")
+
+    monkeypatch.setattr(trace, "get_tracer_provider", unloadable)
+    assert not relay_tracing.recording()
+
+
+def test_with_no_provider_a_save_is_not_traced(monkeypatch):
+    calls: list[object] = []
+    monkeypatch.setattr(relay_tracing._telemetry, "submit", calls.append)
+
+    @relay_tracing.settles
+    def save(relay, conn, batch, now):
+        return [True for _ in batch]
+
+    assert save(None, None, [object()], None) == [True]
+    assert calls == []
