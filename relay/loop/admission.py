@@ -156,13 +156,23 @@ class SuppressionFilter:
     def __init__(self, pauses: Pauses) -> None:
         self.pauses = pauses
 
+    @staticmethod
+    def wanted(wave: Wave) -> list[tuple[int, list[str]]]:
+        """What the screen looks up: each message of the wave with its recipients' keys."""
+        return [(r.claim.id, [address_key(a) for a in r.email.recipients]) for r, _ in wave]
+
     def screen(self, conn: sa.Connection, wave: Wave, now: datetime) -> tuple[Wave, list[Done]]:
         """The wave to send, and the messages barred from it (to be saved as failed)."""
         if not wave:
             return wave, []
-        suppressed = store.suppressed_among(
-            conn, (address_key(a) for ready, _ in wave for a in ready.email.recipients)
-        )
+        wanted = self.wanted(wave)
+        found = store.suppressed_among(conn, (a for _id, keys in wanted for a in keys))
+        return self.apply(wave, found, now)
+
+    def apply(self, wave: Wave, suppressed: set[str], now: datetime) -> tuple[Wave, list[Done]]:
+        """:meth:`screen` with its lookup done (``suppressed``: the wave's listed addresses,
+        as ``store.take_batch`` finds them in the claim's write): a message barred here is
+        one the take left unmarked."""
         if not suppressed:
             return wave, []
         kept: Wave = []

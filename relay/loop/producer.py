@@ -134,12 +134,17 @@ class Producer:
                 self._hold_keys(self.budget.retry)
                 admitted = len(wave)
                 taken = {id(r) for r, _ in wave} | {id(r) for r, _ in deferred}
-                wave, barred = self.suppressions.screen(conn, wave, now)
                 if taking is not None:
-                    # the claim written (every row it read), before anything in its name
+                    # the claim written (every row it read), before anything in its name, in
+                    # the statement that screens the wave: a barred message is not marked
                     fresh = [r.claim.id for r, _ in wave if r.claim.claim_token == taking.token]
-                    stamped, at = store.take_batch(conn, taking, mark=fresh, now=now)
-                    marked.update(((id_, taking.token), at) for id_ in stamped)
+                    took = store.take_batch(
+                        conn, taking, mark=fresh, now=now, screen=self.suppressions.wanted(wave)
+                    )
+                    marked.update(((id_, taking.token), took.at) for id_ in took.stamped)
+                    wave, barred = self.suppressions.apply(wave, took.suppressed, now)
+                else:
+                    wave, barred = self.suppressions.screen(conn, wave, now)
                 self.budget.prune(conn)
                 self._step_back(conn, held, now)
                 self._defer(conn, deferred, now)

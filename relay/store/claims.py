@@ -8,21 +8,23 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import ReturningUpdate
 
-from outbox.schema import CLAIMABLE, AmbiguityPolicy, Status, UTCDateTime, messages
+from outbox.schema import CLAIMABLE, AmbiguityPolicy, Status, UTCDateTime, messages, suppressions
 from relay.clock import read_database_time
 from relay.policy import MessageState
+from relay.store.suppressions import suppressed_among
 
 __all__ = [
     "MAX_SKIPPED_KEYS",
     "Claim",
     "Expired",
     "Taking",
+    "Took",
     "claim_batch",
     "count_due",
     "count_locked_due",
@@ -308,28 +310,65 @@ def _lock_statement(skip: bool) -> sa.Select[Any]:
     )
 
 
-# PostgreSQL: the claim and the send-started mark of the rows sent at once, one write a row.
-# The mark is the later of the relay's now and the database's clock, as mark_send_started_at.
+# PostgreSQL: the claim and the send-started mark of the rows sent at once, one write a row,
+# with the suppression screen of the wave in the same statement. The mark is the later of the
+# relay's now and the database's clock, as mark_send_started_at.
 # By id alone: the rows are this transaction's since lock_batch read them claimable, so no
 # status guard is needed, and one (status IN pending, retrying) is the claim index's own
 # predicate, which stale statistics let the planner read whole for 50 ids.
-_TAKE_PG = (
-    sa.update(_m)
-    .where(_id_among("c_ids", True))
-    .values(
-        {
-            **_CLAIM_VALUES,
-            "send_started_at": sa.case(
-                (
-                    sa.and_(sa.not_(_EXPIRED), _id_among("c_mark", True)),
-                    sa.func.greatest(_NOW, sa.func.statement_timestamp(type_=UTCDateTime())),
-                ),
-                else_=None,
-            ),
-        }
+# The screen: the wave's (message id, address key) pairs; the list's addresses among them come
+# back, and an id to mark whose every address is listed is barred, never marked (it fails
+# unsent, as SuppressionFilter.apply decides from the same addresses).
+_S_IDS = sa.bindparam("s_ids", type_=postgresql.ARRAY(sa.BigInteger))
+_S_ADDRESSES = sa.bindparam("s_addresses", type_=postgresql.ARRAY(sa.String))
+
+
+def _take_pg() -> sa.CompoundSelect[Any]:
+    wanted = (
+        sa.func.unnest(_S_IDS, _S_ADDRESSES)
+        .table_valued(sa.column("id", sa.BigInteger), sa.column("address", sa.String))
+        .render_derived(name="wanted")
     )
-    .returning(_m.c.id, _m.c.send_started_at)
-)
+    listed = (
+        sa.select(suppressions.c.address)
+        .where(suppressions.c.address == sa.any_(_S_ADDRESSES))
+        .cte("listed")
+    )
+    barred = (
+        sa.select(wanted.c.id)
+        .select_from(wanted.outerjoin(listed, listed.c.address == wanted.c.address))
+        .group_by(wanted.c.id)
+        .having(sa.func.bool_and(listed.c.address.is_not(None)))
+        .cte("barred")
+    )
+    mark = sa.and_(
+        sa.not_(_EXPIRED), _id_among("c_mark", True), _m.c.id.not_in(sa.select(barred.c.id))
+    )
+    took = (
+        sa.update(_m)
+        .where(_id_among("c_ids", True))
+        .values(
+            {
+                **_CLAIM_VALUES,
+                "send_started_at": sa.case(
+                    (
+                        mark,
+                        sa.func.greatest(_NOW, sa.func.statement_timestamp(type_=UTCDateTime())),
+                    ),
+                    else_=None,
+                ),
+            }
+        )
+        .returning(_m.c.id, _m.c.send_started_at)
+        .cte("took")
+    )
+    return sa.union_all(
+        sa.select(took.c.id, took.c.send_started_at, sa.null().label("address")),
+        sa.select(sa.null(), sa.null(), listed.c.address),
+    )
+
+
+_TAKE_PG = _take_pg()
 
 
 def lock_batch(
@@ -361,21 +400,63 @@ def lock_batch(
     return Taking(claims=claims, expired=gone, token=token, ids=ids, params=params, written=False)
 
 
+class Took(NamedTuple):
+    """What :func:`take_batch` did: the ids it marked, their mark, and the screen's
+    addresses that the suppression list holds."""
+
+    stamped: set[int]
+    at: datetime
+    suppressed: set[str]
+
+
 def take_batch(
-    conn: sa.Connection, taking: Taking, *, mark: Sequence[int], now: datetime
-) -> tuple[set[int], datetime]:
-    """Write ``taking``'s claim, and the send-started mark of ``mark`` (some of its claims'
-    ids): one UPDATE on PostgreSQL, where :func:`lock_batch` wrote nothing; elsewhere the
-    claim is written already, and this is :func:`mark_send_started_at`. Returns the ids
-    marked and the mark, as :func:`mark_send_started_at` does."""
-    if taking.written:
-        return mark_send_started_at(conn, ids=mark, claim_token=taking.token, now=now)
-    if not taking.ids:
-        return set(), now
-    params = {**taking.params, "c_ids": taking.ids, "c_mark": list(mark)}
-    rows = conn.execute(_TAKE_PG, params).all()
-    stamped = {row.id: row.send_started_at for row in rows if row.send_started_at is not None}
-    return set(stamped), next(iter(stamped.values()), now)
+    conn: sa.Connection,
+    taking: Taking,
+    *,
+    mark: Sequence[int],
+    now: datetime,
+    screen: Sequence[tuple[int, Sequence[str]]] = (),
+) -> Took:
+    """Write ``taking``'s claim, with the send-started mark of ``mark`` (some of its claims'
+    ids), after screening the wave against the suppression list.
+
+    ``screen`` is the wave about to be sent, as (message id, its recipients' address keys),
+    the new claims' and earlier ones'. An id of ``mark`` whose every address is listed is
+    barred: not marked, it fails unsent (``SuppressionFilter.apply``, from the addresses
+    returned). On PostgreSQL all of it is one statement, where :func:`lock_batch` wrote
+    nothing; elsewhere the claim is written already, and this is the lookup
+    (:func:`~relay.store.suppressions.suppressed_among`), then :func:`mark_send_started_at`.
+    """
+    if taking.written or not taking.ids:
+        suppressed = suppressed_among(conn, (a for _id, keys in screen for a in keys))
+        barred = _barred(screen, suppressed)
+        ids = [i for i in mark if i not in barred]
+        return Took(
+            *mark_send_started_at(conn, ids=ids, claim_token=taking.token, now=now), suppressed
+        )
+    pairs = [(id_, a) for id_, keys in screen for a in keys]
+    params = {
+        **taking.params,
+        "c_ids": taking.ids,
+        "c_mark": list(mark),
+        "s_ids": [id_ for id_, _a in pairs],
+        "s_addresses": [a for _id, a in pairs],
+    }
+    stamped: dict[int, datetime] = {}
+    suppressed = set()
+    for row in conn.execute(_TAKE_PG, params):
+        if row.address is not None:
+            suppressed.add(row.address)
+        elif row.send_started_at is not None:
+            stamped[row.id] = row.send_started_at
+    return Took(set(stamped), next(iter(stamped.values()), now), suppressed)
+
+
+def _barred(screen: Sequence[tuple[int, Sequence[str]]], suppressed: set[str]) -> set[int]:
+    """The ids of ``screen`` whose every address is suppressed (none, with no list hit)."""
+    if not suppressed:
+        return set()
+    return {id_ for id_, keys in screen if keys and all(a in suppressed for a in keys)}
 
 
 @functools.cache

@@ -1171,7 +1171,7 @@ def test_a_claim_and_the_mark_of_its_sends_are_one_write_of_each_row(engine):
         assert taking.expired == []
         assert {c.claim_token for c in taking.claims} == {taking.token}
         assert {c.lease_expires_at for c in taking.claims} == {at(LEASE)}
-        stamped, stamp = store.take_batch(conn, taking, mark=ids[:2], now=T0)
+        stamped, stamp, _suppressed = store.take_batch(conn, taking, mark=ids[:2], now=T0)
         if pg:
             assert not taking.written
             assert conn.execute(updated).scalar_one() - before == 3
@@ -1204,7 +1204,7 @@ def test_a_due_row_past_its_expiry_is_expired_by_the_take_and_never_marked(engin
         taking = _lock(conn, RELAY, 10, now=at(2))
         assert [e.id for e in taking.expired] == [gone]
         assert [c.id for c in taking.claims] == [kept]
-        stamped, _stamp = store.take_batch(conn, taking, mark=[gone, kept], now=at(2))
+        stamped, _stamp, _suppressed = store.take_batch(conn, taking, mark=[gone, kept], now=at(2))
     assert stamped == {kept}
     assert snapshot(engine, gone)["status"] == Status.EXPIRED.value
     assert snapshot(engine, gone)["send_started_at"] is None
@@ -1243,7 +1243,9 @@ def test_the_claims_write_reads_its_rows_by_id_however_stale_the_statistics(post
     with engine.connect() as conn, conn.begin() as tx:
         taking = _lock(conn, RELAY, 10)
         take = store.claims._TAKE_PG.compile(dialect=conn.dialect)
-        params = take.construct_params({**taking.params, "c_ids": taking.ids, "c_mark": []})
+        params = take.construct_params(
+            {**taking.params, "c_ids": taking.ids, "c_mark": [], "s_ids": [], "s_addresses": []}
+        )
         plan = "\n".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {take}", params))
         tx.rollback()
     assert "pk_outbox_messages" in plan, plan

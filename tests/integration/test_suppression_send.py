@@ -181,6 +181,42 @@ def test_one_lookup_screens_a_whole_wave(backend):
     assert len(statements) == 1
 
 
+def test_the_claims_write_screens_the_wave_and_never_marks_a_barred_claim(backend):
+    """``take_batch`` with the wave's screen: the listed addresses come back, and a new
+    claim whose every recipient is listed is written (claimed) but never marked sent; one
+    with a recipient left is marked, as is one the list does not touch. An earlier claim's
+    addresses (an id outside this take) are looked up with the rest. On PostgreSQL the
+    lookup, the claim and the marks are one statement."""
+    suppress(backend.engine, "cy@example.com", "dee@example.com")
+    ids = enqueue(backend.engine, 3)
+    screen = [
+        (ids[0], ["ann@example.com"]),
+        (ids[1], ["cy@example.com", "dee@example.com"]),
+        (ids[2], ["cy@example.com", "bob@example.com"]),
+        (ids[2] + 1000, ["dee@example.com", "eve@example.com"]),  # an earlier pass's claim
+    ]
+    statements: list[str] = []
+    now = datetime.now(UTC)
+    with backend.engine.begin() as conn:
+        taking = store.lock_batch(conn, relay_id="r", limit=10, now=now, lease_seconds=60)
+        assert sorted(c.id for c in taking.claims) == ids
+
+        def seen(conn, cursor, statement, *args):
+            statements.append(statement)
+
+        sa.event.listen(conn, "before_cursor_execute", seen)
+        took = store.take_batch(conn, taking, mark=ids, now=now, screen=screen)
+        sa.event.remove(conn, "before_cursor_execute", seen)
+    assert took.suppressed == {"cy@example.com", "dee@example.com"}
+    assert took.stamped == {ids[0], ids[2]}
+    barred = row(backend.engine, ids[1])
+    assert (barred.status, barred.claim_token) == ("processing", taking.token)
+    assert barred.send_started_at is None
+    assert row(backend.engine, ids[0]).send_started_at is not None
+    if backend.name == "postgresql":
+        assert len(statements) == 1, statements
+
+
 def test_suppressed_among_reads_only_the_addresses_asked_for(backend):
     suppress(backend.engine, "ann@example.com", "bob@example.com")
     with backend.engine.connect() as conn:
