@@ -217,6 +217,43 @@ def test_the_claims_write_screens_the_wave_and_never_marks_a_barred_claim(backen
         assert len(statements) == 1, statements
 
 
+def test_a_pass_whose_screening_statement_fails_rolls_back_whole_and_screens_again(backend):
+    """The suppression lookup fails alone (on PostgreSQL it is the claim's write too): the
+    pass rolls back whole, no row is claimed, marked or failed, and the next pass claims,
+    screens and settles both messages, each once; the barred one is never sent."""
+    suppress(backend.engine, "cy@example.com")
+    barred, other = enqueue(backend.engine, [mail(to=["cy@example.com"]), mail()])
+    sender = FakeSender()
+    relay = relay_for(backend, sender)
+    failures = []
+
+    def fail_once(conn, cursor, statement, parameters, context, executemany):
+        if "outbox_suppressions" in statement and not failures:
+            failures.append(statement)
+            return "SELECT * FROM outbox_no_such_table", parameters  # refused alone
+        return statement, parameters
+
+    sa.event.listen(backend.engine, "before_cursor_execute", fail_once, retval=True)
+    try:
+        with closing(relay):
+            assert relay.connection.guard(relay.step) is None  # the pass saw the error
+            assert len(failures) == 1
+            for mid in (barred, other):
+                r = row(backend.engine, mid)
+                assert (r.status, r.claim_token, r.send_started_at) == ("pending", None, None)
+            assert sender.calls == []
+            settle(relay)
+    finally:
+        sa.event.remove(backend.engine, "before_cursor_execute", fail_once)
+    assert sender.called_ids == [other]
+    assert (row(backend.engine, barred).status, row(backend.engine, other).status) == (
+        "failed",
+        "sent",
+    )
+    assert row(backend.engine, barred).send_started_at is None
+    assert [a.outcome for a in attempt_rows(backend.engine, barred)] == ["suppressed"]
+
+
 def test_suppressed_among_reads_only_the_addresses_asked_for(backend):
     suppress(backend.engine, "ann@example.com", "bob@example.com")
     with backend.engine.connect() as conn:
