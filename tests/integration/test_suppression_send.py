@@ -14,7 +14,6 @@ import pytest
 import sqlalchemy as sa
 
 from outbox.message import Email
-from outbox.schema import suppressions
 from relay import signals, store
 from relay.senders import OutgoingMessage, Transient
 from relay.senders.ses import build_request
@@ -23,29 +22,7 @@ from tests.support.db import attempt_rows, row
 from tests.support.factories import enqueue
 from tests.support.hand_clocks import Clock
 from tests.support.inprocess import closing, receiving, relay_for, settle
-
-
-def suppress(engine: sa.Engine, *addresses: str) -> None:
-    """Suppress ``addresses`` as the intake and the operator commands store them."""
-    now = datetime.now(UTC)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.insert(suppressions),
-            [
-                {"address": a, "reason": "bounce", "created_at": now, "actor": "test"}
-                for a in addresses
-            ],
-        )
-
-
-def mail(**fields: object) -> Email:
-    values: dict[str, object] = {
-        "sender": "Shop <shop@example.com>",
-        "to": ["ann@example.com"],
-        "subject": "Order",
-        "text": "Thanks.",
-    }
-    return Email(**{**values, **fields})  # type: ignore[arg-type]
+from tests.support.suppressions import mail, suppress
 
 
 def deliver(backend, *emails: Email) -> tuple[list[int], FakeSender, list[dict]]:
