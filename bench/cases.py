@@ -426,26 +426,12 @@ def _rounded(values: dict[str, float | None]) -> dict[str, float | None]:
     return {k: None if v is None else round(v, 4) for k, v in values.items()}
 
 
-def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
-    n = sizes.drain
-    pg = _pg(engine)
-    server = engine.dialect.name != "sqlite"
+def _relay_drain_cost(engine: sa.Engine, n: int, *, email: Email = EMAIL) -> tuple[float, Cost]:
+    """Drain ``n`` fresh due rows of ``email`` with one in-process relay until idle: its rate
+    (msg/s) and its cost. The drain and the drain with a real email run the same relay, so
+    their numbers compare; raises unless all ``n`` were sent."""
     reset(engine)
-    fill(engine, n, prefix="drain")
-    floor_cost = Cost()
-    wal = _wal_lsn(engine)
-    cpu = time.process_time()
-    began = time.perf_counter()
-    moved = raw_drain(engine, cost=floor_cost)
-    raw_rate = moved / (time.perf_counter() - began)
-    floor_cost.cpu_seconds = time.process_time() - cpu
-    _wal_bytes(engine, wal, floor_cost)
-    assert moved == n, (moved, n)
-
-    peers = [_pgqueuer(engine, n)] if pg else []
-
-    reset(engine)
-    fill(engine, n, prefix="drain")
+    fill(engine, n, prefix="drain", email=email)
     config = _relay_config(
         engine,
         concurrency=DRAIN_CONCURRENCY,
@@ -464,6 +450,39 @@ def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
         relay_cost.cpu_seconds = time.process_time() - cpu
     _wal_bytes(engine, wal, relay_cost)
     _check_all_sent(engine, n)
+    return rate, relay_cost
+
+
+def _wal_by_record_per_msg(costs: dict[str, Cost], n: int, *, top: int) -> dict[str, Any]:
+    """Where the bytes go: each cost's ``top`` largest WAL record kinds, bytes per message."""
+    return {
+        who: {
+            k: round(v / n, 1)
+            for k, v in sorted(c.wal_by_record.items(), key=lambda kv: -kv[1])[:top]
+        }
+        for who, c in costs.items()
+    }
+
+
+def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
+    n = sizes.drain
+    pg = _pg(engine)
+    server = engine.dialect.name != "sqlite"
+    reset(engine)
+    fill(engine, n, prefix="drain")
+    floor_cost = Cost()
+    wal = _wal_lsn(engine)
+    cpu = time.process_time()
+    began = time.perf_counter()
+    moved = raw_drain(engine, cost=floor_cost)
+    raw_rate = moved / (time.perf_counter() - began)
+    floor_cost.cpu_seconds = time.process_time() - cpu
+    _wal_bytes(engine, wal, floor_cost)
+    assert moved == n, (moved, n)
+
+    peers = [_pgqueuer(engine, n)] if pg else []
+
+    rate, relay_cost = _relay_drain_cost(engine, n)
 
     if pg:
         peers.append(_pgqueuer(engine, n))
@@ -591,14 +610,7 @@ def drain(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
             "relay": _per(relay_cost.wal_bytes_cluster, n),
             "pgqueuer": _per(versus.wal_bytes_cluster, n),
         }
-        kinds = {"relay": relay_cost, "pgqueuer": versus}
-        by_record = {  # where the bytes go: the largest kinds, bytes per message
-            who: {
-                k: round(v / n, 1)
-                for k, v in sorted(c.wal_by_record.items(), key=lambda kv: -kv[1])[:15]
-            }
-            for who, c in kinds.items()
-        }
+        by_record = _wal_by_record_per_msg({"relay": relay_cost, "pgqueuer": versus}, n, top=15)
         details = {"cluster_wide_bytes_per_msg": cluster, "by_record_per_msg": by_record}
         results.append(cost("WAL bytes/msg", "wal_bytes_per_msg", "B", details))
     where = {"relay": "in-process", **({"pgqueuer": "its own process"} if pg else {})}
@@ -616,32 +628,11 @@ def drain_email(engine: sa.Engine, sizes: Sizes, db: str) -> list[Result]:
     from bench.retention import shipping_notice
 
     n, email = max(1000, sizes.drain // 2), shipping_notice()
-    reset(engine)
-    fill(engine, n, prefix="drain", email=email)
-    config = _relay_config(
-        engine, concurrency=DRAIN_CONCURRENCY, batch_size=50, exit_when_idle=True,
-        poll_interval=0.1,
-    )  # fmt: skip
-    relay = Relay(engine=engine, sender=AcceptingSender(), config=config)
-    relay_cost = Cost()
-    wal = _wal_lsn(engine)
-    with _Counting(engine, relay_cost):
-        cpu, began = time.process_time(), time.perf_counter()
-        relay.run()
-        rate = n / (time.perf_counter() - began)
-        relay_cost.cpu_seconds = time.process_time() - cpu
-    _wal_bytes(engine, wal, relay_cost)
-    _check_all_sent(engine, n)
+    rate, relay_cost = _relay_drain_cost(engine, n, email=email)
     peer = _pgqueuer(engine, n, email)
     mine, theirs = relay_cost.per(n), peer["cost"].per(n)
     payload = len(base_payload(email))
-    by_record = {
-        who: {
-            k: round(v / n, 1)
-            for k, v in sorted(c.wal_by_record.items(), key=lambda kv: -kv[1])[:12]
-        }
-        for who, c in (("relay", relay_cost), ("pgqueuer", peer["cost"]))
-    }
+    by_record = _wal_by_record_per_msg({"relay": relay_cost, "pgqueuer": peer["cost"]}, n, top=12)
     details = {"messages": n, "payload_bytes": payload, "wal_by_record_per_msg": by_record}
     rows = [
         ("drain, email", rate, peer["rate"], "msg/s"),

@@ -6,8 +6,6 @@ not make the app's writes wait behind the upgrade."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +15,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from outbox import migrations
 from outbox.schema import Status, messages
 from tests.support.db import fresh_database
-from tests.support.migrating import Holder, Writer, old_row
+from tests.support.migrating import change_past_a_reader, old_row
 
 BEFORE = "outbox_0006"
 KEY_INDEX = "ix_outbox_messages_idempotency_key"
@@ -154,23 +152,6 @@ HELD = 3.0  # seconds a reader holds the table when the upgrade starts
 def test_a_reader_holding_the_table_does_not_hold_the_apps_writes(old_engine):
     """A report reads outbox_messages for 3 s when the upgrade starts: the upgrade waits it
     out a second a try, and the app's inserts go on meanwhile, none held long."""
-    writer = Writer(old_engine)
-    writer.start()
-    time.sleep(0.3)
-    holder = Holder(old_engine)
-    timer = threading.Timer(HELD, holder.end)
-    timer.start()
-    began = time.monotonic()
-    try:
-        migrations.upgrade(old_engine)
-    finally:
-        timer.join()
-        took = time.monotonic() - began
-        writer.stop.set()
-        writer.join(10)
-    assert writer.errors == []
-    assert took >= HELD - 0.5  # it did wait for the reader
-    assert len(writer.waits) > 15  # the app kept writing meanwhile
-    assert max(writer.waits) < 2.0, sorted(writer.waits)[-5:]
+    change_past_a_reader(old_engine, lambda: migrations.upgrade(old_engine), held=HELD)
     with old_engine.connect() as conn:
         assert CONSTRAINT not in _constraints(conn)

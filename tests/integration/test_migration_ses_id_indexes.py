@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import threading
 import time
 from collections.abc import Iterator
 
@@ -19,7 +18,7 @@ from alembic import command
 from outbox import migrations
 from outbox.schema import Status, attempts, messages
 from tests.support.db import fresh_database
-from tests.support.migrating import T0, Holder, Writer, old_row
+from tests.support.migrating import T0, Writer, change_past_a_reader, old_row
 
 BEFORE = "outbox_0007"
 INDEXES = {
@@ -268,28 +267,15 @@ def test_a_reader_holding_the_table_does_not_hold_the_apps_writes(old_engine, au
     """A report reads the table for 3 s when the upgrade starts: the upgrade waits it out a
     second a try, and the app's inserts go on meanwhile, none held long; the upgrade
     finishes once the reader ends."""
-    writer = Writer(old_engine)
-    writer.start()
-    time.sleep(0.3)
-    holder = Holder(old_engine, table)
-    timer = threading.Timer(HELD, holder.end)
-    timer.start()
-    began = time.monotonic()
-    try:
+
+    def upgrade() -> None:
         if autocommit:
             with old_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 migrations.upgrade(conn)
         else:
             migrations.upgrade(old_engine)
-    finally:
-        timer.join()
-        took = time.monotonic() - began
-        writer.stop.set()
-        writer.join(10)
-    assert writer.errors == []
-    assert took >= HELD - 0.5  # it did wait for the reader
-    assert len(writer.waits) > 15  # the app kept writing meanwhile
-    assert max(writer.waits) < 2.0, sorted(writer.waits)[-5:]
+
+    change_past_a_reader(old_engine, upgrade, held=HELD, table=table)
     with old_engine.connect() as conn:
         _assert_indexes(conn, "hash")
 

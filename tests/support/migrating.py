@@ -1,5 +1,6 @@
 """What the live-upgrade tests share: a row as the app wrote it, a long transaction that
-holds the table, and the app's writer timing each insert while a migration runs."""
+holds the table, the app's writer timing each insert while a migration runs, and a change
+run past a reader holding the table."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from outbox import Category, Email
 from outbox.enqueue import build_row
 from outbox.schema import messages
 
-__all__ = ["T0", "Holder", "Writer", "old_row"]
+__all__ = ["T0", "Holder", "Writer", "change_past_a_reader", "old_row"]
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
@@ -80,3 +81,29 @@ class Writer(threading.Thread):
                 return
             self.waits.append(time.monotonic() - began)
             time.sleep(0.02)
+
+
+def change_past_a_reader(
+    engine: sa.Engine, change: Callable[[], object], *, held: float, table: str = "outbox_messages"
+) -> None:
+    """Run ``change`` while the app writes and a reader holds ``table`` for ``held`` seconds
+    from its start: check it waited the reader out, and the app's inserts went on meanwhile,
+    none held long (asserts carry their values: pytest rewrites only the test modules')."""
+    writer = Writer(engine)
+    writer.start()
+    time.sleep(0.3)
+    holder = Holder(engine, table)
+    timer = threading.Timer(held, holder.end)
+    timer.start()
+    began = time.monotonic()
+    try:
+        change()
+    finally:
+        timer.join()
+        took = time.monotonic() - began
+        writer.stop.set()
+        writer.join(10)
+    assert writer.errors == [], writer.errors
+    assert took >= held - 0.5, took  # it did wait for the reader
+    assert len(writer.waits) > 15, len(writer.waits)  # the app kept writing meanwhile
+    assert max(writer.waits) < 2.0, sorted(writer.waits)[-5:]
