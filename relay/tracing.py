@@ -78,10 +78,10 @@ def use_tracer_provider(provider: Any) -> None:
 
 def recording() -> bool:
     """Whether the relay's spans go anywhere: OpenTelemetry is installed and a provider is
-    set, globally or by :func:`use_tracer_provider`. Asked at each send and save: with no
+    set, globally or by :func:`use_tracer_provider`. Asked at each wave and save: with no
     provider every span would be a no-op, yet making one costs about 15 microseconds of CPU
     a send (some 7% of the relay's, in the drain benchmark); a provider set later is picked
-    up by the next send."""
+    up by the next wave."""
     if not ENABLED:
         return False
     if _own_provider:

@@ -58,6 +58,7 @@ class Dispatch:
         under two claims; only the one whose mark applied is sent, its attempt starting at
         its ``send_started_at``."""
         lost: list[Ready] = []
+        traced = bool(wave) and tracing.recording()  # asked once a wave, not once a send
         for ready, slot in wave:
             claim = ready.claim
             started_at = marked.get((claim.id, claim.claim_token))
@@ -78,7 +79,7 @@ class Dispatch:
             )
             started = time.monotonic()
             lease_ends = started + (claim.lease_expires_at - now).total_seconds()
-            span = tracing.Attempt(message, ready.trace) if tracing.recording() else None
+            span = tracing.Attempt(message, ready.trace) if traced else None
             send = self._send if span is None else span.run(self._send)
             future = self.pool.submit(send, message, slot, lease_ends)
             self.in_flight[(claim.id, claim.claim_token)] = InFlight(
