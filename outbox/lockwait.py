@@ -13,6 +13,8 @@ from collections.abc import Callable
 import sqlalchemy as sa
 from alembic import op
 
+from outbox import autocommit
+
 __all__ = ["in_autocommit", "lock_briefly"]
 
 
@@ -94,8 +96,9 @@ def lock_briefly(
 
 
 def in_autocommit(bind: sa.Connection) -> bool:
-    """Whether the driver commits each statement (no transaction, so no savepoint)."""
-    return bool(getattr(bind.connection.dbapi_connection, "autocommit", False))
+    """Whether every statement on ``bind`` commits by itself: :mod:`outbox.autocommit`'s
+    test, here for the revisions (they import only this module and the exceptions)."""
+    return autocommit.in_autocommit(bind)
 
 
 def _lock_timed_out(exc: sa.exc.DBAPIError) -> bool:

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, UOWTransaction, scoped_session, sessionmaker
 from sqlalchemy.util.concurrency import in_greenlet
 
 from outbox import signals, tracing
+from outbox.autocommit import in_autocommit
 from outbox.category import DEFAULT_CATEGORIES, Category
 from outbox.enqueue import EnqueueResult, build_row, check_key, existing_ids, insert_messages
 from outbox.exceptions import ConfigurationError, InvalidArgument, UnknownCategory
@@ -129,7 +130,7 @@ def _writer_bind(session: Session, arguments: dict[str, Any]) -> sa.Engine | sa.
 def _ensure_transaction(conn: sa.Connection) -> None:
     """Refuse a connection on which the email would commit on its own, without the rest of
     the caller's transaction; begin the transaction sqlite3's legacy mode has not begun."""
-    if _autocommits(conn):
+    if in_autocommit(conn):
         raise ConfigurationError(
             "isolation_level",
             "the session's connection for the outbox table is in AUTOCOMMIT, so the email "
@@ -151,28 +152,6 @@ def _ensure_transaction(conn: sa.Connection) -> None:
         )
     if not driver.in_transaction:
         conn.exec_driver_sql("BEGIN")  # as enable_savepoints would have; COMMIT ends it
-
-
-def _autocommits(conn: sa.Connection) -> bool:
-    """Whether every statement on ``conn`` commits by itself, so the transaction the session
-    shows is not real there: ``isolation_level="AUTOCOMMIT"`` on the connection or its engine,
-    or autocommit set on the driver's connection itself (``connect_args``, ``init_command``,
-    a sqlite3 or aiosqlite ``isolation_level`` of None with nobody emitting BEGIN)."""
-    level = conn.get_execution_options().get("isolation_level")
-    if level is None:
-        level = getattr(conn.dialect, "_on_connect_isolation_level", None)
-    if level == "AUTOCOMMIT":
-        return True
-    raw = conn.connection.dbapi_connection
-    get_autocommit = getattr(raw, "get_autocommit", None)  # PyMySQL, mysqlclient, aiomysql
-    if callable(get_autocommit):
-        return bool(get_autocommit())
-    if getattr(raw, "autocommit", None) is True:  # psycopg, sqlite3 on Python 3.12+
-        return True
-    if conn.dialect.name == "sqlite":
-        driver: Any = conn.connection.driver_connection
-        return driver.isolation_level is None and not driver.in_transaction
-    return False
 
 
 def _mark_changed(session: Session) -> None:

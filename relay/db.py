@@ -8,6 +8,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from outbox.autocommit import in_autocommit
+
 __all__ = [
     "CONNECT_TIMEOUT",
     "READ_COMMITTED",
@@ -73,26 +75,10 @@ def make_engine(
 
 def autocommits(conn: sa.Connection) -> bool:
     """Whether every statement on ``conn`` commits by itself, so a transaction holds no lock
-    from one statement to the next: ``isolation_level="AUTOCOMMIT"`` on the connection or its
-    engine, or autocommit set on the driver's own connection (``connect_args``, an
-    ``init_command``, a sqlite3 ``isolation_level`` of None with nobody emitting BEGIN). The
-    relay's claim reads and locks rows, then writes them: it must not run so. Call it inside
-    a transaction, after a statement."""
-    level = conn.get_execution_options().get("isolation_level")
-    if level is None:
-        level = getattr(conn.dialect, "_on_connect_isolation_level", None)
-    if level == "AUTOCOMMIT":
-        return True
-    raw = conn.connection.dbapi_connection
-    get_autocommit = getattr(raw, "get_autocommit", None)  # PyMySQL, mysqlclient
-    if callable(get_autocommit):
-        return bool(get_autocommit())
-    if getattr(raw, "autocommit", None) is True:  # psycopg, sqlite3 on Python 3.12+
-        return True
-    if conn.dialect.name == "sqlite":
-        driver: Any = conn.connection.driver_connection
-        return driver.isolation_level is None and not driver.in_transaction
-    return False
+    from one statement to the next (:func:`outbox.autocommit.in_autocommit`). The relay's
+    claim reads and locks rows, then writes them: it must not run so. Call it inside a
+    transaction, after a statement."""
+    return in_autocommit(conn)
 
 
 def masked_url(url: str | sa.URL) -> str:

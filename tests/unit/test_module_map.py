@@ -51,6 +51,7 @@ COMMAND_LINE = (
 )
 PURE = ("relay.policy", "relay.pause", "relay.ratelimit", "relay.events")
 SHARED_WITH_THE_RELAY = (
+    "outbox.autocommit",
     "outbox.enqueue",
     "outbox.exceptions",
     "outbox.message",
