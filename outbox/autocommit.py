@@ -32,5 +32,10 @@ def in_autocommit(bind: sa.Connection) -> bool:
         return True
     if bind.dialect.name == "sqlite":
         driver: Any = bind.connection.driver_connection
+        # aiosqlite's connection does not pass sqlite3's autocommit (Python 3.12+) on, and
+        # in that mode isolation_level stays "" while COMMIT does nothing: read its sqlite3's
+        inner = getattr(driver, "_conn", driver)
+        if getattr(inner, "autocommit", None) is True:
+            return True
         return bool(driver.isolation_level is None and not driver.in_transaction)
     return False
