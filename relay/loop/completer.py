@@ -81,10 +81,18 @@ class Completer:
 
     @tracing.settles
     def save(
-        self, conn: sa.Connection, batch: list[Done], now: datetime, *, attempts: bool = True
+        self,
+        conn: sa.Connection,
+        batch: list[Done],
+        now: datetime,
+        *,
+        attempts: bool = True,
+        finish: Callable[[store.SentSave], set[tuple[int, str]]] | None = None,
     ) -> list[bool]:
         """Write each decision (guarded by its claim) and its attempt row; returns, per
-        item, whether the decision applied."""
+        item, whether the decision applied. The sent ones and every attempt row are written
+        last, by ``finish`` when given (the pass's claim read runs them in its statement:
+        ``store.save_and_lock``), which returns the (id, claim token) pairs moved to sent."""
         if not batch:
             return []
         # the other decisions first, each under its guard: which of them applied decides
@@ -109,7 +117,8 @@ class Completer:
             # a suppressed message whose claim was gone: nothing was sent, nothing moved
             if k not in others or others[k] or done.recorded is None
         ]
-        sent = store.finalize_sent_recorded(conn, items, records if attempts else [], now=now)
+        save = store.SentSave(items, records if attempts else [], now)
+        sent = store.save_sent(conn, save) if finish is None else finish(save)
         return [
             others.get(k, (done.claim.id, done.claim.claim_token) in sent)
             for k, done in enumerate(batch)

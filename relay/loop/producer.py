@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -111,21 +112,38 @@ class Producer:
         began = time.monotonic()
         try:
             with self._connection.transaction() as conn:
-                applied = completer.save(conn, batch, now)
                 taking: store.Taking | None = None
                 held: list[tuple[store.Claim, float]] = []
-                if limit > 0:
+                lock = functools.partial(
+                    store.save_and_lock,
+                    conn,
+                    relay_id=self.relay_id,
+                    limit=limit,
+                    now=now,
+                    lease_seconds=self.config.lease_seconds,
+                    skip_keys=self._held_keys(now) if limit > 0 else (),
+                )
+                if limit > 0 and batch:
+                    # the last wave's sent saves, then the claim's read: one statement on
+                    # PostgreSQL, where a busy pass is this and the claim's write
+                    took_lock: list[store.Taking] = []
+
+                    def finish(sent: store.SentSave) -> set[tuple[int, str]]:
+                        moved, locked = lock(sent)
+                        took_lock.append(locked)
+                        return moved
+
                     began = time.monotonic()
+                    applied = completer.save(conn, batch, now, finish=finish)
+                    taking = took_lock[0]
+                else:
+                    applied = completer.save(conn, batch, now)
+                    if limit > 0:
+                        began = time.monotonic()
+                        taking = lock(store.SentSave((), (), now))[1]
+                if taking is not None:
                     # read and locked; on PostgreSQL written below, with the marks of those
                     # sent at once: a message sent at once is written once, not twice
-                    taking = store.lock_batch(
-                        conn,
-                        relay_id=self.relay_id,
-                        limit=limit,
-                        now=now,
-                        lease_seconds=self.config.lease_seconds,
-                        skip_keys=self._held_keys(now),
-                    )
                     claims, expired = taking.claims, taking.expired
                     held = self._accept(claims, now, pending, invalid)
                     if due_before and len(claims) + len(expired) < limit:

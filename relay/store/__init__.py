@@ -61,6 +61,7 @@ from relay.store.claims import (
     take_batch,
 )
 from relay.store.finalize import (
+    SentSave,
     apply_decision,
     fail,
     finalize_sent,
@@ -70,8 +71,10 @@ from relay.store.finalize import (
     release,
     release_unsent,
     release_unstarted,
+    save_sent,
     schedule_retry,
 )
+from relay.store.passes import save_and_lock
 from relay.store.reconcile import (
     MAX_RECONCILE_AFTER,
     Confirmed,
@@ -118,6 +121,7 @@ __all__ = [
     "Reconciled",
     "RelayHolder",
     "RelayPauses",
+    "SentSave",
     "StaleLease",
     "Taking",
     "Took",
@@ -166,6 +170,8 @@ __all__ = [
     "requeue",
     "requeue_many",
     "resolve_confirmed",
+    "save_and_lock",
+    "save_sent",
     "schedule_retry",
     "scoped_bookings",
     "send_bookings",

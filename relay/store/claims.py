@@ -31,9 +31,12 @@ __all__ = [
     "expire",
     "extend_lease",
     "lock_batch",
+    "lock_params",
+    "lock_statement",
     "mark_send_started",
     "mark_send_started_at",
     "take_batch",
+    "taking_of",
 ]
 
 _m = messages
@@ -303,7 +306,8 @@ class Taking:
 
 
 @functools.cache
-def _lock_statement(skip: bool) -> sa.Select[Any]:
+def lock_statement(skip: bool) -> sa.Select[Any]:
+    """PostgreSQL: :func:`lock_batch`'s read (``skip``: with the held keys' parameter)."""
     pick = _claim_statements(False, skip).pick
     return sa.select(*_CLAIM_COLUMNS, _EXPIRED.label("expired")).where(
         _m.c.id.in_(sa.select(pick.subquery().c.id))
@@ -394,10 +398,22 @@ def lock_batch(
         ids = [c.id for c in claims] + [e.id for e in expired]
         return Taking(claims=claims, expired=expired, token=token, ids=ids, params={}, written=True)
     token, params = _claim_params(relay_id, limit, now, lease_seconds, skip_keys)
-    rows = conn.execute(_lock_statement("c_skip" in params), params).all()
+    return taking_of(conn.execute(lock_statement("c_skip" in params), params).all(), params)
+
+
+def taking_of(rows: Sequence[Any], params: dict[str, Any]) -> Taking:
+    """The :class:`Taking` of the rows :func:`lock_statement` read under ``params``."""
+    token = params["c_token"]
     claims, gone = _claims_of([(row, row.expired) for row in rows], token, params["c_lease"])
     ids = [row.id for row in rows]
     return Taking(claims=claims, expired=gone, token=token, ids=ids, params=params, written=False)
+
+
+def lock_params(
+    relay_id: str, limit: int, now: datetime, lease_seconds: float, skip_keys: Sequence[str]
+) -> dict[str, Any]:
+    """:func:`lock_statement`'s parameters, under a fresh claim token (``c_token``)."""
+    return _claim_params(relay_id, limit, now, lease_seconds, skip_keys)[1]
 
 
 class Took(NamedTuple):

@@ -19,6 +19,7 @@ from relay.store.attempts import ATTEMPT_FIELDS, AttemptRecord, pg_rows, record_
 from relay.store.claims import Claim
 
 __all__ = [
+    "SentSave",
     "apply_decision",
     "due_at",
     "fail",
@@ -29,7 +30,9 @@ __all__ = [
     "release",
     "release_unsent",
     "release_unstarted",
+    "save_sent",
     "schedule_retry",
+    "sent_ctes",
 ]
 
 _m = messages
@@ -286,6 +289,49 @@ _WRITTEN = (
 _FINALIZE_SENT_RECORDED = sa.select(_SAVED.c.id, _SAVED.c.token).add_cte(_SAVED, _WRITTEN)
 
 
+def sent_ctes() -> tuple[sa.CTE, sa.CTE]:
+    """PostgreSQL: :func:`finalize_sent_recorded`'s two CTEs, for a statement that runs them
+    (the first's rows are the pairs moved: ``id``, ``token``), bound by
+    :meth:`SentSave.params`."""
+    return _SAVED, _WRITTEN
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SentSave:
+    """A pass's sent decisions and attempt rows, for :func:`finalize_sent_recorded` (or
+    for the pass's claim read, which runs them in its own statement on PostgreSQL:
+    ``relay.store.passes``)."""
+
+    items: Sequence[tuple[int, str, str | None]]
+    records: Sequence[tuple[AttemptRecord, bool]]
+    now: datetime
+
+    @property
+    def one_statement(self) -> bool:
+        """Whether PostgreSQL runs it as the one CTE statement (both parts non-empty)."""
+        return bool(self.items and self.records)
+
+    def params(self) -> dict[str, Any]:
+        """The CTE statement's parameters."""
+        ids, tokens, provider_ids = (list(c) for c in zip(*self.items, strict=True))
+        stale = [
+            AttemptOutcome(r.outcome).stale.value if guarded else None
+            for r, guarded in self.records
+        ]
+        return {
+            "b_ids": ids,
+            "b_tokens": tokens,
+            "b_provider_ids": provider_ids,
+            "b_now": self.now,
+            "a_rows": pg_rows([r for r, _guarded in self.records], stale),
+        }
+
+
+def save_sent(conn: sa.Connection, save: SentSave) -> set[tuple[int, str]]:
+    """:func:`finalize_sent_recorded` of ``save``."""
+    return finalize_sent_recorded(conn, save.items, save.records, now=save.now)
+
+
 def finalize_sent_recorded(
     conn: sa.Connection,
     items: Sequence[tuple[int, str, str | None]],
@@ -311,15 +357,7 @@ def finalize_sent_recorded(
             ],
         )
         return sent
-    ids, tokens, provider_ids = (list(column) for column in zip(*items, strict=True))
-    stale = [AttemptOutcome(r.outcome).stale.value if guarded else None for r, guarded in records]
-    params = {
-        "b_ids": ids,
-        "b_tokens": tokens,
-        "b_provider_ids": provider_ids,
-        "b_now": now,
-        "a_rows": pg_rows([r for r, _guarded in records], stale),
-    }
+    params = SentSave(items, records, now).params()
     return {(row[0], row[1]) for row in conn.execute(_FINALIZE_SENT_RECORDED, params)}
 
 

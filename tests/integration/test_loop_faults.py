@@ -566,3 +566,42 @@ def test_a_finished_send_beside_a_pause_is_saved_when_the_give_back_fails(
     assert [a.outcome for a in attempt_rows(backend.engine, second)] == ["accepted"]
     assert [m.id for m in sender.calls].count(second) == 1
     assert first != second
+
+
+def test_a_pass_whose_save_and_claim_statement_fails_saves_alone_and_claims_again(
+    server_backend,
+):
+    """The last wave's save fails alone in a pass that also claims (on PostgreSQL the save
+    and the claim's read are one statement): the pass rolls back whole, each finished send
+    is saved in a transaction of its own, and the due rows are claimed by the next pass;
+    every message is sent once and saved once, with its attempt row. (SQLite's error for
+    the injected statement reads as an outage, which keeps the batch instead.)"""
+    first = enqueue(server_backend.engine, 2)
+    sender = FakeSender()
+    relay = relay_for(server_backend, sender, concurrency=4)
+    failures: list[str] = []
+
+    def fail_once(conn, cursor, statement, parameters, context, executemany):
+        if "INSERT INTO outbox_attempts" in statement and not failures:
+            failures.append(statement)
+            return "SELECT * FROM outbox_no_such_table", parameters  # refused alone
+        return statement, parameters
+
+    with closing(relay):
+        relay.step()  # claims and sends the first two
+        wait_for(lambda: relay.dispatch.pool._work_queue.empty() and len(sender.calls) == 2)
+        time.sleep(0.05)
+        later = enqueue(server_backend.engine, 2)  # due when the failing pass runs
+        sa.event.listen(server_backend.engine, "before_cursor_execute", fail_once, retval=True)
+        try:
+            settle(relay)
+        finally:
+            sa.event.remove(server_backend.engine, "before_cursor_execute", fail_once)
+    assert len(failures) == 1
+    if server_backend.name == "postgresql":
+        assert "SKIP LOCKED" in failures[0]  # the save and the claim's read, one statement
+    ids = first + later
+    assert sorted(sender.called_ids) == sorted(ids)  # each once
+    assert {statuses(server_backend.engine)[i] for i in ids} == {"sent"}
+    for mid in ids:
+        assert [a.outcome for a in attempt_rows(server_backend.engine, mid)] == ["accepted"]

@@ -1149,6 +1149,48 @@ def test_the_sent_save_and_its_attempt_rows_are_one_statement_with_stale_ones_ma
     assert all((r.relay_id, r.started_at) == (RELAY, at(1)) for r in written)
 
 
+def test_the_last_waves_saves_and_the_next_claims_read_are_one_statement(engine):
+    """``save_and_lock``: the sent saves of a wave (one stale) with their attempt rows, and
+    the next claim's locking read, one statement on PostgreSQL; the finalize moves only its
+    own claim's row, the read takes the due rows, never the ones being saved."""
+    first, second, *due = enqueue(engine, 4)
+    sent, stale = claim(engine, T0, limit=2)
+    mark(engine, [sent, stale], at(1))
+    late = at(5)
+
+    def record(c: store.Claim, token: str) -> tuple[store.AttemptRecord, bool]:
+        return store.AttemptRecord(
+            message_id=c.id, claim_token=token, relay_id=RELAY, started_at=at(1),
+            finished_at=late, outcome="accepted", provider_message_id=f"ses-{c.id}",
+        ), True  # fmt: skip
+
+    save = store.SentSave(
+        [(sent.id, sent.claim_token, f"ses-{sent.id}"), (stale.id, "gone-token", None)],
+        [record(sent, sent.claim_token), record(stale, "gone-token")],
+        late,
+    )
+    statements: list[str] = []
+    with engine.begin() as conn:
+        sa.event.listen(conn, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        moved, taking = store.save_and_lock(
+            conn, save, relay_id="relay-b", limit=10, now=late, lease_seconds=LEASE
+        )
+        stamped, _at, _suppressed = store.take_batch(conn, taking, mark=due[:1], now=late)
+    assert moved == {(sent.id, sent.claim_token)}
+    assert [c.id for c in taking.claims] == due
+    assert stamped == {due[0]}
+    if engine.dialect.name == "postgresql":
+        assert len(statements) == 2, statements  # the save with the read, then the write
+    assert (snapshot(engine, first)["status"], snapshot(engine, second)["status"]) == (
+        Status.SENT.value,
+        Status.PROCESSING.value,  # its claim's token was not the one saved
+    )
+    assert snapshot(engine, second)["claim_token"] == stale.claim_token
+    assert {snapshot(engine, i)["claimed_by"] for i in due} == {"relay-b"}
+    written = [(r.message_id, r.outcome) for r in attempt_rows(engine) if r.finished_at == late]
+    assert written == [(first, "accepted"), (second, "stale:accepted")]
+
+
 def _lock(conn: sa.Connection, relay_id: str, limit: int, now: datetime = T0) -> store.Taking:
     return store.lock_batch(conn, relay_id=relay_id, limit=limit, now=now, lease_seconds=LEASE)
 
