@@ -22,7 +22,6 @@ from relay import signals, store, worker
 from relay.pause import Scope, ScopeKind
 from relay.senders import Accepted, Disabled, OutgoingMessage, Permanent
 from relay.testing import FakeSender
-from relay.worker import Relay
 from tests.support.db import attempt_rows, row, statuses
 from tests.support.factories import enqueue
 from tests.support.hand_clocks import Clock
@@ -36,6 +35,7 @@ from tests.support.inprocess import (
     running,
     settle,
 )
+from tests.support.loop_faults import commit_unseen_once
 from tests.support.waiting import wait_for
 
 # -- helpers -------------------------------------------------------------------------------
@@ -96,37 +96,6 @@ def test_a_payload_python_cannot_decode_fails_alone_and_the_loop_goes_on(backend
 
 
 # -- a commit that applied unseen, then a drain or an account pause ------------------------
-
-
-def commit_unseen_once(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the relay's next pass commit its claims and send-started marks, then see the
-    connection drop, as when a server's answer to COMMIT is lost.
-
-    That fault cannot be timed against a real server, so the relay's transaction is wrapped:
-    the real COMMIT runs, then an OperationalError is raised, once, for the pass's exchange."""
-    real_transaction, real_exchange = relay.connection.transaction, relay.producer.exchange
-    state = {"exchange": False, "left": 1}
-
-    @contextlib.contextmanager
-    def transaction() -> Iterator[sa.Connection]:
-        with real_transaction() as conn:
-            yield conn
-        if state["exchange"] and state["left"]:
-            state["left"] = 0
-            relay.connection.drop()
-            raise sa.exc.OperationalError(
-                "COMMIT", {}, ConnectionResetError("server closed the connection unexpectedly")
-            )
-
-    def exchange(now: datetime) -> bool:
-        state["exchange"] = True
-        try:
-            return real_exchange(now)
-        finally:
-            state["exchange"] = False
-
-    monkeypatch.setattr(relay.connection, "transaction", transaction)
-    monkeypatch.setattr(relay.producer, "exchange", exchange)
 
 
 def assert_given_back_unsent(backend, ids: list[int], clock: Clock, sender: FakeSender) -> None:
