@@ -126,16 +126,16 @@ class Producer:
                 if limit > 0 and batch:
                     # the last wave's sent saves, then the claim's read: one statement on
                     # PostgreSQL, where a busy pass is this and the claim's write
-                    took_lock: list[store.Taking] = []
+                    took_lock: list[tuple[store.Taking, float]] = []
 
                     def finish(sent: store.SentSave) -> set[tuple[int, str]]:
+                        at = time.monotonic()  # the claim's time, from its read
                         moved, locked = lock(sent)
-                        took_lock.append(locked)
+                        took_lock.append((locked, at))
                         return moved
 
-                    began = time.monotonic()
                     applied = completer.save(conn, batch, now, finish=finish)
-                    taking = took_lock[0]
+                    taking, began = took_lock[0]
                 else:
                     applied = completer.save(conn, batch, now)
                     if limit > 0:
