@@ -7,6 +7,7 @@ twice; every message ends sent or failed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -31,6 +32,34 @@ def _final(engine, ids):
         return {
             r.id: r for r in conn.execute(sa.select(messages).where(messages.c.id.in_(ids))).all()
         }
+
+
+def _race_until_final(
+    backend,
+    sender,
+    ids,
+    prefix: str,
+    count: int,
+    *,
+    batch_size: int,
+    concurrency: int,
+    timeout: float = 60,
+) -> None:
+    """``count`` in-process relays sending ``ids`` at once, until each is sent or failed."""
+    with contextlib.ExitStack() as stack:
+        for n in range(count):
+            relay = relay_for(
+                backend, sender, relay_id=f"{prefix}{n}", batch_size=batch_size,
+                concurrency=concurrency,
+            )  # fmt: skip
+            stack.enter_context(running(relay))
+        wait_for(
+            lambda: all(
+                r.status in ("sent", "failed") for r in _final(backend.engine, ids).values()
+            ),
+            timeout=timeout,
+            what="every message final",
+        )
 
 
 def test_a_wave_of_earlier_pass_and_fresh_claims_is_screened_alike(server_backend):
@@ -130,22 +159,7 @@ def test_many_relays_race_over_a_suppressed_mix(server_backend):
             emails.append(mail(to=[f"ok{i}@example.com"]))
     ids = enqueue(engine, emails, per_transaction=50)
     sender = FakeSender(latency=0.002)
-    relays = [
-        relay_for(server_backend, sender, relay_id=f"r{n}", batch_size=7, concurrency=9)
-        for n in range(4)
-    ]
-    runs = [running(r) for r in relays]
-    try:
-        for r in runs:
-            r.__enter__()
-        wait_for(
-            lambda: all(r.status in ("sent", "failed") for r in _final(engine, ids).values()),
-            timeout=60,
-            what="every message final",
-        )
-    finally:
-        for r in runs:
-            r.__exit__(None, None, None)
+    _race_until_final(server_backend, sender, ids, "r", 4, batch_size=7, concurrency=9)
     rows = _final(engine, ids)
     called = [m.id for m in sender.calls]
     assert len(called) == len(set(called)), "a message sent twice"
@@ -165,8 +179,6 @@ def test_many_relays_race_over_a_suppressed_mix(server_backend):
             assert r.status == "sent", mid
             assert called.count(mid) == 1, mid
 
-
-import contextlib  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -279,24 +291,13 @@ def test_suppressions_churn_while_relays_race(server_backend):
     churner = threading.Thread(target=churn, daemon=True)
     churner.start()
     sender = FakeSender(latency=0.001)
-    relays = [
-        relay_for(server_backend, sender, relay_id=f"c{n}", batch_size=5, concurrency=6)
-        for n in range(3)
-    ]
-    runs = [running(r) for r in relays]
     try:
-        for r in runs:
-            r.__enter__()
-        wait_for(
-            lambda: all(r.status in ("sent", "failed") for r in _final(engine, ids).values()),
-            timeout=90,
-            what="every message final",
+        _race_until_final(
+            server_backend, sender, ids, "c", 3, batch_size=5, concurrency=6, timeout=90
         )
     finally:
         stop.set()
         churner.join(5)
-        for r in runs:
-            r.__exit__(None, None, None)
     rows = _final(engine, ids)
     calls = {}
     for m in sender.calls:
